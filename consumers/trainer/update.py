@@ -1,0 +1,92 @@
+"""One policy update from one training batch (pure torch; no Kafka).
+
+Given a batch of trajectories (prompt ids, response ids, behaviour log-probs, rewards, group ids):
+
+1. advantages ``A_i`` per trajectory: GRPO ``(r_i - mean_g) / (std_g + eps)``, or PPO-style
+   ``r_i - mean_g`` (``loss = "ppo"``), over each trajectory's group ``g``;
+2. ``ppo_epochs`` passes, each split into ``minibatches`` optimizer steps, of the clipped
+   surrogate against the behaviour log-probs (token-level mean over the minibatch);
+3. gradient-norm clipping at 1.0, AdamW.
+
+Returns python-float statistics of the step (loss, clip fraction, approx KL, reward mean, tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .grpo import group_advantages, ppo_clip_loss, sequence_logprobs
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What the update needs of one trajectory."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    reward: float
+    group_id: str
+
+
+def compute_advantages(samples: Sequence[Sample], loss: str = "grpo") -> torch.Tensor:
+    """Per-trajectory advantages over each sample's group."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups: dict[str, int] = {}
+    index = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples], dtype=torch.long)
+    if loss == "grpo":
+        return group_advantages(rewards, index)
+    means = torch.zeros(len(groups)).index_add_(0, index, rewards) / torch.bincount(index).float()
+    return rewards - means[index]
+
+
+def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
+                  *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = None,
+                  ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
+                  seed: int = 0) -> dict[str, float]:
+    """Apply one training step on ``samples``; returns statistics."""
+    t0 = time.perf_counter()
+    samples = [s for s in samples if len(s.response_ids) > 0]
+    if not samples:
+        raise ValueError("batch has no trajectory with a response")
+    adv = compute_advantages(samples, loss)
+    gen = np.random.default_rng(seed)
+    model.train()
+    stats_acc: dict[str, list[float]] = {}
+    n = len(samples)
+    for _ in range(ppo_epochs):
+        order = gen.permutation(n)
+        for chunk in np.array_split(order, minibatches):
+            if len(chunk) == 0:
+                continue
+            mb = [samples[i] for i in chunk]
+            new_logp, mask = sequence_logprobs(model, [s.prompt_ids for s in mb], [s.response_ids for s in mb],
+                                               temperature=temperature, pad_id=pad_id)
+            beh = torch.zeros_like(new_logp)
+            for row, s in enumerate(mb):
+                beh[row, : len(s.behaviour_logprobs)] = torch.as_tensor(
+                    np.asarray(s.behaviour_logprobs, dtype=np.float32))
+            loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(chunk)], mask, clip_eps, tis_cap)
+            optimizer.zero_grad(set_to_none=True)
+            loss_t.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            st = dict(st)
+            st["loss"] = float(loss_t.detach())
+            st["grad_norm"] = float(gnorm)
+            for k, v in st.items():
+                stats_acc.setdefault(k, []).append(float(v))
+    model.eval()
+    out = {k: float(np.mean(v)) for k, v in stats_acc.items()}
+    rewards = np.array([s.reward for s in samples])
+    out["reward_mean"] = float(rewards.mean())
+    out["reward_std"] = float(rewards.std())
+    out["trained_tokens"] = float(sum(len(s.response_ids) for s in samples))
+    out["response_len_mean"] = out["trained_tokens"] / len(samples)
+    out["update_s"] = time.perf_counter() - t0
+    return out

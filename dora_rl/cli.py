@@ -1,0 +1,221 @@
+"""``dora-rl``: one console command, a subcommand per role and per tool.
+
+    dora-rl run [--steps N] [--mode M] [--config F] [--json OUT]   the whole loop (embedded broker by default)
+    dora-rl broker start|stop|status [--cluster]                   the embedded Kafka broker
+    dora-rl topics create|list                                      the topic catalogue
+    dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index)
+    dora-rl runs                                                    runs recorded on the cluster
+    dora-rl monitor [--run ID] [--follow]                           live view of a run's metrics
+    dora-rl replay [--run ID] [--topic T] [--version V] [--out F]   recorded rollouts as JSON lines
+    dora-rl audit [--run ID] [--json F]                             check C1-C3 from the topics
+
+Every command takes ``--bootstrap-servers`` (or env ``DORA_BOOTSTRAP_SERVERS``); without it,
+``run`` starts the embedded broker and the others use the embedded broker if it is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from dora_rl.config import MODES, DoraConfig
+from dora_rl.infra.logs import setup_logging
+from dora_rl.roles import ROLES
+
+
+def _bootstrap(args: argparse.Namespace, start: bool = False) -> str:
+    from dora_rl.infra.broker import resolve_bootstrap
+    from dora_rl.launcher import embedded_broker
+
+    given = resolve_bootstrap(args.bootstrap_servers)
+    if given:
+        return given
+    broker = embedded_broker()
+    if broker.is_running():
+        return broker.bootstrap_servers
+    if start:
+        return broker.start().bootstrap_servers
+    raise SystemExit("no broker: pass --bootstrap-servers, set DORA_BOOTSTRAP_SERVERS, or `dora-rl broker start`")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dora_rl.infra.broker import resolve_bootstrap
+    from dora_rl.launcher import run
+
+    config = DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
+                             weight_transport=args.weight_transport, num_instances=args.instances)
+    summary = run(config, resolve_bootstrap(args.bootstrap_servers), Path(args.json) if args.json else None,
+                  quiet=args.quiet)
+    r = summary["reward_per_step"]
+    print(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in {summary['wall_s']:.1f}s "
+          f"(warm-up {summary['warmup_s']:.1f}s), reward first5 {summary['reward_first5']:.3f} -> last5 "
+          f"{summary['reward_last5']:.3f}, {summary['throughput_tokens_per_s']:.0f} trained tok/s, "
+          f"max staleness {summary['max_staleness_seen']:.0f}; per step: {[round(x, 3) for x in r]}")
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from dora_rl.infra import broker as b
+
+    if args.cluster:
+        if args.action != "start":
+            raise SystemExit("--cluster supports only `start` (it runs in the foreground until Ctrl-C)")
+        cluster = b.LocalCluster()
+        cluster.start()
+        print(cluster.bootstrap_servers, flush=True)
+        try:
+            import time
+
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            cluster.stop()
+        return 0
+    if args.action == "start":
+        from dora_rl.launcher import embedded_broker
+
+        broker = embedded_broker()
+        broker.start()
+        print(json.dumps(broker.status(), indent=2))
+    elif args.action == "stop":
+        print("stopped" if b.stop_broker() else "not running")
+    else:
+        print(json.dumps(b.broker_status(), indent=2))
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.infra import topics
+
+    bootstrap = _bootstrap(args, start=args.action == "create")
+    if args.action == "create":
+        result = topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), args.partitions)
+        for name, state in result.items():
+            print(f"{name:32s} {state}")
+    else:
+        for s in topics.catalogue(args.partitions):
+            print(f"{s.name:32s} partitions={s.partitions:<3d} {s.schema:24s} {s.doc}")
+    return 0
+
+
+def cmd_role(args: argparse.Namespace) -> int:
+    from dora_rl.roles import start_role
+
+    start_role(args.command, _bootstrap(args), args.run_id, args.index)
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from dora_rl.infra.runs import list_runs
+
+    for run_id, info in list_runs(_bootstrap(args)).items():
+        print(f"{run_id}  {info.state:9s} mode={info.mode}")
+    return 0
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from dora_rl.consumers.monitor import monitor
+
+    monitor(_bootstrap(args), args.run, follow=args.follow)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from dora_rl.consumers.replay import replay
+
+    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115
+    try:
+        n = replay(_bootstrap(args), args.run, args.topic, out, version=args.version, group=args.group)
+    finally:
+        if args.out:
+            out.close()
+    print(f"replayed {n} records", file=sys.stderr)
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from dora_rl.consumers.audit import audit_run
+
+    report = audit_run(_bootstrap(args), args.run)
+    print(report.render())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used by the docs test)."""
+    parser = argparse.ArgumentParser(prog="dora-rl", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--bootstrap-servers", default=None, help="Kafka bootstrap servers (env DORA_BOOTSTRAP_SERVERS)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", parents=[common], help="run the whole RL loop")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--instances", type=int, default=None)
+    p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
+    p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
+    p.add_argument("--json", default=None, help="write the machine-readable summary here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("broker", help="the embedded Kafka broker")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("--cluster", action="store_true", help="a 3-node loopback cluster (foreground)")
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("topics", parents=[common], help="the topic catalogue")
+    p.add_argument("action", choices=("create", "list"))
+    p.add_argument("--partitions", type=int, default=4)
+    p.set_defaults(func=cmd_topics)
+
+    for role in ROLES:
+        p = sub.add_parser(role, parents=[common], help=f"run the {role} role of a run")
+        p.add_argument("--run-id", default=None, help="run to join (default: the latest)")
+        p.add_argument("--index", type=int, default=0, help="instance index (rollout, scorer)")
+        p.set_defaults(func=cmd_role)
+
+    p = sub.add_parser("runs", parents=[common], help="list runs")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("monitor", parents=[common], help="a run's metrics, live")
+    p.add_argument("--run", default=None)
+    p.add_argument("--follow", action="store_true")
+    p.set_defaults(func=cmd_monitor)
+
+    p = sub.add_parser("replay", parents=[common], help="recorded rollouts as JSON lines")
+    p.add_argument("--run", default=None)
+    p.add_argument("--topic", default="dora.rollout.scored")
+    p.add_argument("--version", type=int, default=None)
+    p.add_argument("--group", default=None)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("audit", parents=[common], help="check C1-C3 of a run from its topics")
+    p.add_argument("--run", default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_audit)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return int(args.func(args))
+    except (ValueError, LookupError, FileNotFoundError, RuntimeError) as exc:
+        logging.getLogger("dora_rl").error("%s: %s", type(exc).__name__, exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

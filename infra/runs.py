@@ -1,0 +1,99 @@
+"""Runs: ids, start offsets and lifecycle records on ``dora.runs``.
+
+A run id is ``<UTC yyyymmdd-hhmmss>-<4 hex>``, so ids sort by start time. When a run starts, the
+end offset of every partition of every data topic is recorded in its :class:`RunInfo`; all of the
+run's records lie at or after those offsets, which is where its consumers, the audit and replay
+begin reading.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from confluent_kafka import Consumer, TopicPartition
+
+from dora_rl.config import DoraConfig
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import RunInfo, TopicOffset
+
+from . import topics
+from .kafka_io import RecordProducer, now_ms, read_all
+
+
+def new_run_id() -> str:
+    """A fresh, time-sortable run id."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
+def end_offsets(bootstrap: str, names: list[str] | None = None, timeout: float = 15.0) -> list[TopicOffset]:
+    """Current end (high watermark) offsets of every partition of ``names`` (default: all data topics)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "dora-offsets", "enable.auto.commit": False})
+    try:
+        md = consumer.list_topics(timeout=timeout)
+        out: list[TopicOffset] = []
+        for name in names or [s.name for s in topics.catalogue() if s.name != topics.RUNS]:
+            if name not in md.topics:
+                raise RuntimeError(f"topic {name} does not exist; run `dora-rl topics create` first")
+            for p in sorted(md.topics[name].partitions):
+                _, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=timeout)
+                out.append(TopicOffset(topic=name, partition=p, offset=high))
+        return out
+    finally:
+        consumer.close()
+
+
+def start_run(bootstrap: str, config: DoraConfig, run_id: str | None = None) -> RunInfo:
+    """Record a new run (state STARTED) with its start offsets; returns it."""
+    info = RunInfo(run_id=run_id or new_run_id(), state="STARTED", mode=config.mode,
+                   config_json=config.to_json(), created_ms=now_ms(),
+                   start_offsets=tuple(end_offsets(bootstrap)))
+    publish(bootstrap, info)
+    return info
+
+
+def publish(bootstrap: str, info: RunInfo) -> None:
+    """Write a run record (compacted by run id)."""
+    producer = RecordProducer(bootstrap, "dora-runs")
+    producer.send(topics.RUNS, info, f"run/{info.run_id}")
+    producer.flush()
+
+
+def finish_run(bootstrap: str, info: RunInfo, summary_json: str, failed: bool = False) -> RunInfo:
+    """Record the end of a run with its summary."""
+    done = info.replace(state="FAILED" if failed else "FINISHED", summary_json=summary_json)
+    publish(bootstrap, done)
+    return done
+
+
+def list_runs(bootstrap: str) -> dict[str, RunInfo]:
+    """Latest record of every run, by run id (sorted by id, i.e. by start time)."""
+    runs: dict[str, RunInfo] = {}
+    for msg in read_all(bootstrap, topics.RUNS):
+        try:
+            info = RunInfo.decode(msg.value(), msg.headers())
+        except DecodeError:
+            continue
+        prev = runs.get(info.run_id)
+        # the STARTED record carries the offsets; later records keep them
+        if prev is not None and not info.start_offsets:
+            info = info.replace(start_offsets=prev.start_offsets)
+        runs[info.run_id] = info
+    return dict(sorted(runs.items()))
+
+
+def get_run(bootstrap: str, run_id: str | None = None) -> RunInfo:
+    """The run ``run_id``, or the most recent run when None; LookupError if there is none."""
+    runs = list_runs(bootstrap)
+    if not runs:
+        raise LookupError("no runs recorded on this cluster (topic dora.runs is empty)")
+    if run_id is None:
+        return runs[sorted(runs)[-1]]
+    if run_id not in runs:
+        raise LookupError(f"run {run_id!r} not found; known runs: {sorted(runs)[-10:]}")
+    return runs[run_id]
+
+
+def offsets_map(info: RunInfo) -> dict[tuple[str, int], int]:
+    """``{(topic, partition): offset}`` of a run's start."""
+    return {(o.topic, o.partition): o.offset for o in info.start_offsets}

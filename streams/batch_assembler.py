@@ -1,0 +1,158 @@
+"""The staleness gate and batch assembler as a faust-streaming app (wiring only; rules live in
+:mod:`dora_rl.streams.batching`).
+
+Reads ``dora.rollout.scored``; writes ``dora.train.batches`` (trajectories inline) and ``dora.dlq``.
+
+State: trajectories buffered but not yet in a batch live in a changelog-backed Faust table
+(``pending``: trajectory id -> raw record bytes), so a restarted assembler recovers its buffer
+from Kafka. The step counter and the ids already batched are recovered from ``dora.train.batches``
+before the worker starts. Duplicates (redeliveries) are dropped by trajectory id; the trainer is
+idempotent on ``batch_id`` as a second line of defence.
+
+One assembler is active per run (it needs the global view to cut batches across partitions); a
+second worker in the same app joins as a standby and takes over on failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import faust
+
+from dora_rl.config import DoraConfig
+from dora_rl.infra import topics
+from dora_rl.infra.kafka_io import now_ms, read_all
+from dora_rl.infra.keys import make_key
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import DeadLetter, Metric, TrainBatch, Trajectory
+
+from .batching import BatchAssembler
+
+log = logging.getLogger(__name__)
+COMPONENT = "assembler"
+
+
+def recover_progress(bootstrap: str, run_id: str, start: Mapping[int, int]) -> tuple[int, set[str]]:
+    """(next train step, ids already batched) of ``run_id`` from ``dora.train.batches``."""
+    next_step = 0
+    batched: set[str] = set()
+    for msg in read_all(bootstrap, topics.BATCHES, start):
+        try:
+            batch = TrainBatch.decode(msg.value(), msg.headers())
+        except DecodeError:
+            continue
+        if batch.run_id != run_id:
+            continue
+        next_step = max(next_step, int(batch.train_step) + 1)
+        batched.update(t.trajectory_id for t in batch.trajectories)
+    return next_step, batched
+
+
+def _headers(event: Any) -> list[tuple[str, bytes]]:
+    raw = getattr(event, "headers", None) or []
+    items = raw.items() if isinstance(raw, Mapping) else raw
+    return [(k if isinstance(k, str) else k.decode(), bytes(v)) for k, v in items]
+
+
+def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int]) -> faust.App:
+    """The Faust app of one run's assembler (call ``faust.Worker(app).execute_from_commandline()``)."""
+    app = faust.App(
+        f"dora-{run_id}-assembler", broker=f"kafka://{bootstrap}", store="memory://", web_enabled=False,
+        topic_partitions=config.num_partitions, producer_max_request_size=topics.BATCH_MAX_BYTES,
+        consumer_max_fetch_size=topics.BATCH_MAX_BYTES, producer_acks=-1, broker_commit_every=100,
+        consumer_auto_offset_reset="earliest", stream_wait_empty=False, table_cleanup_interval=3600.0,
+    )
+    scored = app.topic(topics.SCORED, key_type=bytes, value_type=bytes, key_serializer="raw",
+                       value_serializer="raw", partitions=config.num_partitions)
+    batches = app.topic(topics.BATCHES, key_serializer="raw", value_serializer="raw", partitions=1)
+    dlq = app.topic(topics.DLQ, key_serializer="raw", value_serializer="raw", partitions=1)
+    metrics = app.topic(topics.METRICS, key_serializer="raw", value_serializer="raw", partitions=1)
+    pending = app.Table("pending", default=None, key_type=bytes, value_type=bytes,
+                        key_serializer="raw", value_serializer="raw", partitions=config.num_partitions)
+
+    batches_start = {p: o for (t, p), o in start_offsets.items() if t == topics.BATCHES}
+    scored_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCORED}
+    state: dict[str, Any] = {"assembler": None, "refused": 0}
+
+    def assembler() -> BatchAssembler:
+        if state["assembler"] is None:
+            next_step, batched = recover_progress(bootstrap, run_id, batches_start)
+            asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness, next_step)
+            asm.mark_seen(batched)
+            for tid, value in list(pending.items()):  # recovered from the changelog
+                traj = Trajectory.decode(value)
+                if tid.decode() in batched:
+                    continue
+                asm.add(traj)
+            state["assembler"] = asm
+            log.info("assembler ready: next step %d, %d batched ids, %d pending", next_step, len(batched),
+                     asm.pending())
+        asm_out: BatchAssembler = state["assembler"]
+        return asm_out
+
+    async def refuse(event: Any, reason: str, error_type: str) -> None:
+        letter = DeadLetter(component=COMPONENT, reason=reason, error_type=error_type,
+                            source_topic=topics.SCORED, source_partition=event.message.partition,
+                            source_offset=event.message.offset, ts_ms=now_ms(), run_id=run_id,
+                            key=event.key, value=event.value)
+        value, headers = letter.encode()
+        await dlq.send(key=event.key or b"", value=value, headers=headers)
+
+    async def metric(name: str, value: float, step: int | None = None) -> None:
+        m = Metric(run_id=run_id, component=COMPONENT, name=name, value=float(value), ts_ms=now_ms(), step=step)
+        v, h = m.encode()
+        await metrics.send(key=f"{COMPONENT}/{name}".encode(), value=v, headers=h)
+
+    @app.agent(scored)
+    async def assemble(stream: Any) -> None:
+        async for event in stream.events():
+            msg = event.message
+            if msg.offset < scored_start.get(msg.partition, 0):
+                continue  # before this run
+            try:
+                traj = Trajectory.decode(event.value, _headers(event))
+            except DecodeError as exc:
+                await refuse(event, str(exc), exc.error_type)
+                continue
+            if traj.run_id != run_id:
+                continue
+            if traj.reward is None:
+                await refuse(event, "trajectory on dora.rollout.scored has no reward", "schema")
+                continue
+            asm = assembler()
+            if not asm.add(traj):
+                continue
+            pending[traj.trajectory_id.encode()] = event.value
+            for bad in asm.refuse_over_stale():
+                state["refused"] += 1
+                await refuse(event, f"over-stale: trajectory {bad.trajectory_id} of version "
+                             f"{bad.policy_version} for step {asm.next_step} (S={config.max_staleness})", "stale")
+                pending.pop(bad.trajectory_id.encode(), None)
+            while (cut := asm.cut()) is not None:
+                batch = TrainBatch(run_id=run_id, batch_id=f"{run_id}/step{cut.train_step}",
+                                   train_step=cut.train_step, base_version=cut.train_step,
+                                   max_staleness=config.max_staleness, created_ms=now_ms(),
+                                   trajectories=tuple(cut.trajectories))  # type: ignore[arg-type]
+                value, headers = batch.encode()
+                await batches.send(key=make_key(cut.train_step, f"step{cut.train_step}").encode(),
+                                   value=value, headers=headers)
+                for t in cut.trajectories:
+                    pending.pop(t.trajectory_id.encode(), None)
+                stale = cut.staleness()
+                await metric("batch_emitted", len(cut.trajectories), cut.train_step)
+                await metric("batch_max_staleness", max(stale), cut.train_step)
+                await metric("over_stale_refused", state["refused"], cut.train_step)
+                log.info("batch step %d: %d trajectories, staleness max %d", cut.train_step,
+                         len(cut.trajectories), max(stale))
+
+    return app
+
+
+def run_assembler(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
+                  loglevel: str = "warning") -> None:
+    """Run the Faust worker until it is stopped (SIGTERM/SIGINT)."""
+    app = build_app(bootstrap, run_id, config, start_offsets)
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    worker.execute_from_commandline()

@@ -1,0 +1,138 @@
+"""Staleness gate and batch assembly as pure logic (no Kafka, no clock): unit-testable rules.
+
+Vocabulary: the update of train step ``k`` starts from policy version ``V = k`` (version ``v`` is
+the policy after ``v`` updates) and publishes ``k + 1``. A trajectory of version ``v`` has
+staleness ``V - v`` in that update.
+
+Rules, for each batch in step order:
+
+1. **Groups are atomic.** A trajectory waits until all ``group_size`` trajectories of its group
+   have arrived; advantages need the whole group. A group may mix versions across trajectories
+   (never within one trajectory, C1). Duplicates (same trajectory id) are ignored (idempotency).
+2. **Staleness gate (C3).** A complete group is eligible for step ``k`` only if every member has
+   ``k - v <= S``. A member that is already over-stale when its group completes can never become
+   eligible again: the whole group is *refused* (returned to the caller, which dead-letters it).
+   In a correct run the orchestrator never lets this happen, so refusals are counted as errors.
+3. **Exactly TBS.** A batch holds exactly ``train_batch_size`` trajectories, i.e. TBS / G groups.
+4. **Order.** Groups containing the oldest version go first (so no version outlives its window),
+   then completion order (the order in which groups became complete).
+
+The assembler never holds a group back when it is eligible and the batch is not full, so every
+complete, non-refused group ends in exactly one batch (C2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class HasVersion(Protocol):
+    """What the rules need from a trajectory."""
+
+    @property
+    def trajectory_id(self) -> str: ...
+    @property
+    def group_id(self) -> str: ...
+    @property
+    def policy_version(self) -> int: ...
+
+
+@dataclass
+class _Group:
+    members: dict[str, HasVersion] = field(default_factory=dict)
+    completed_seq: int = -1
+
+    def min_version(self) -> int:
+        return min(int(t.policy_version) for t in self.members.values())
+
+
+@dataclass(frozen=True)
+class AssembledBatch:
+    """One batch for ``train_step`` (= base version), trajectories in batch order."""
+
+    train_step: int
+    trajectories: tuple[HasVersion, ...]
+
+    def staleness(self) -> list[int]:
+        """``train_step - policy_version`` per trajectory."""
+        return [self.train_step - int(t.policy_version) for t in self.trajectories]
+
+
+class BatchAssembler:
+    """Buffers trajectories into complete groups and cuts batches under the staleness gate."""
+
+    def __init__(self, train_batch_size: int, group_size: int, max_staleness: int, next_step: int = 0) -> None:
+        if train_batch_size % group_size:
+            raise ValueError("train_batch_size must be a multiple of group_size")
+        self.train_batch_size = train_batch_size
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.next_step = next_step
+        self._groups: dict[str, _Group] = {}
+        self._complete: dict[str, _Group] = {}
+        self._seen: set[str] = set()
+        self._seq = 0
+        self.duplicates = 0
+
+    @property
+    def groups_per_batch(self) -> int:
+        """TBS / G."""
+        return self.train_batch_size // self.group_size
+
+    def add(self, trajectory: HasVersion) -> bool:
+        """Buffer one trajectory; False if it is a duplicate (already seen)."""
+        tid = trajectory.trajectory_id
+        if tid in self._seen:
+            self.duplicates += 1
+            return False
+        self._seen.add(tid)
+        group = self._groups.setdefault(trajectory.group_id, _Group())
+        group.members[tid] = trajectory
+        if len(group.members) == self.group_size:
+            group.completed_seq = self._seq
+            self._seq += 1
+            self._complete[trajectory.group_id] = self._groups.pop(trajectory.group_id)
+        return True
+
+    def mark_seen(self, trajectory_ids: Iterable[str]) -> None:
+        """Record ids already consumed by earlier batches (recovery), so they count as duplicates."""
+        self._seen.update(trajectory_ids)
+
+    def pending(self) -> int:
+        """Trajectories buffered and not yet in a batch."""
+        return sum(len(g.members) for g in self._groups.values()) + sum(
+            len(g.members) for g in self._complete.values())
+
+    def pending_by_version(self) -> dict[int, int]:
+        """Buffered trajectory counts by policy version."""
+        out: dict[int, int] = {}
+        for g in [*self._groups.values(), *self._complete.values()]:
+            for t in g.members.values():
+                out[int(t.policy_version)] = out.get(int(t.policy_version), 0) + 1
+        return out
+
+    def refuse_over_stale(self) -> list[HasVersion]:
+        """Remove and return complete groups that are over-stale for ``next_step`` (C3 gate)."""
+        refused: list[HasVersion] = []
+        for gid in [g for g, grp in self._complete.items()
+                    if self.next_step - grp.min_version() > self.max_staleness]:
+            refused.extend(self._complete.pop(gid).members.values())
+        return refused
+
+    def cut(self) -> AssembledBatch | None:
+        """The batch for ``next_step`` if enough eligible complete groups exist, else None."""
+        eligible = [(gid, g) for gid, g in self._complete.items()
+                    if self.next_step - g.min_version() <= self.max_staleness]
+        if len(eligible) < self.groups_per_batch:
+            return None
+        eligible.sort(key=lambda item: (item[1].min_version(), item[1].completed_seq))
+        chosen = eligible[: self.groups_per_batch]
+        trajectories: list[HasVersion] = []
+        for gid, g in chosen:
+            del self._complete[gid]
+            trajectories.extend(sorted(g.members.values(), key=lambda t: t.trajectory_id))
+        batch = AssembledBatch(self.next_step, tuple(trajectories))
+        self.next_step += 1
+        return batch

@@ -1,0 +1,99 @@
+"""The orchestrator role: feeds events into the scheduling rules and emits version-tagged requests.
+
+Reads ``dora.prompts``, ``dora.policy.versions``, ``dora.rollout.trajectories`` (completions) and
+``dora.train.batches`` (consumption); writes ``dora.rollout.requests`` with partition = the target
+instance's index and key ``v<version>/<group_id>``.
+
+Recovery: the orchestrator commits no offsets. On (re)start it reads every input from the run's
+start offsets and *also* its own past output (``dora.rollout.requests``) so that a prompt already
+dispatched is never dispatched twice; its state is therefore a pure function of the topics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dora_rl.config import DoraConfig
+from dora_rl.infra import topics
+from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.keys import make_key
+from dora_rl.schemas.records import PolicyVersion, Prompt, RolloutRequest, Trajectory, TrainBatch
+
+from .scheduling import Dispatch, Scheduler
+
+log = logging.getLogger(__name__)
+COMPONENT = "orchestrator"
+
+
+def make_scheduler(config: DoraConfig) -> Any:
+    """The scheduling rules for ``config.mode``."""
+    if config.mode == "dora":
+        from .dora_policy import DoraScheduler
+
+        return DoraScheduler(config)
+    return Scheduler(config.mode, config.train_batch_size, config.group_size, config.steps,
+                     config.num_instances)
+
+
+def request_for(run_id: str, d: Dispatch[Prompt], config: DoraConfig) -> RolloutRequest:
+    """The request record of one dispatch."""
+    p = d.prompt
+    return RolloutRequest(
+        run_id=run_id, trajectory_id=d.trajectory_id, group_id=d.group_id, prompt_id=p.prompt_id,
+        sample_index=d.sample_index, group_size=config.group_size, policy_version=d.version,
+        instance_id=f"rollout-{d.instance}", action="GENERATE", task=p.task, reference=p.reference,
+        prompt_ids=p.prompt_ids, partial_ids=p.prompt_ids[:0], partial_logprobs=p.prompt_ids[:0].astype("<f4"),
+        max_new_tokens=config.max_new_tokens, dispatched_ms=now_ms())
+
+
+def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
+                     start_offsets: dict[tuple[str, int], int], stop: Callable[[], bool] = lambda: False) -> None:
+    """Run until every wave is dispatched and consumed (or ``stop()``)."""
+    producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}")
+    dlq = DeadLetters(producer, COMPONENT, run_id)
+    metrics = Metrics(producer, run_id, COMPONENT)
+    consumer = RunConsumer(
+        bootstrap, run_id, COMPONENT,
+        {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion, topics.TRAJECTORIES: Trajectory,
+         topics.BATCHES: TrainBatch, topics.REQUESTS: RolloutRequest},
+        dlq, start_offsets, group_suffix=f".{now_ms()}")
+    scheduler = make_scheduler(config)
+    already: set[str] = set()
+    sched_s = 0.0
+    try:
+        while not stop():
+            envelopes = consumer.poll(0.2)
+            t0 = time.perf_counter()
+            for env in envelopes:
+                rec = env.record
+                if env.topic == topics.PROMPTS:
+                    if rec.group_id not in already:
+                        scheduler.add_prompt(rec.group_id, rec)
+                elif env.topic == topics.VERSIONS:
+                    scheduler.on_version(int(rec.version))
+                elif env.topic == topics.TRAJECTORIES:
+                    scheduler.on_completed(rec.trajectory_id)
+                elif env.topic == topics.BATCHES:
+                    scheduler.on_consumed(int(rec.train_step), [t.trajectory_id for t in rec.trajectories])
+                elif env.topic == topics.REQUESTS:
+                    already.add(rec.group_id)  # dispatched by an earlier incarnation
+            dispatches = scheduler.dispatch()
+            for d in dispatches:
+                req = request_for(run_id, d, config)
+                producer.send(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
+                already.add(d.group_id)
+            sched_s += time.perf_counter() - t0
+            if dispatches:
+                producer.flush()
+                metrics.emit("dispatched", len(dispatches), version=dispatches[-1].version)
+                metrics.emit("scheduling_s", sched_s)
+                log.info("dispatched %d requests (version %d)", len(dispatches), dispatches[-1].version)
+            if scheduler.done() and scheduler.state.consumed_steps >= config.steps:
+                break
+    finally:
+        producer.flush()
+        consumer.close()
+

@@ -1,0 +1,117 @@
+"""Staleness gate, batch assembly and wave dispatch as pure rules (no broker, no clock)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from dora_rl.streams.batching import BatchAssembler
+from dora_rl.streams.scheduling import Scheduler
+
+
+@dataclass(frozen=True)
+class T:
+    trajectory_id: str
+    group_id: str
+    policy_version: int
+
+
+def group(gid: str, versions: list[int]) -> list[T]:
+    return [T(f"{gid}/{i}", gid, v) for i, v in enumerate(versions)]
+
+
+def test_batches_hold_exactly_tbs_whole_groups_in_completion_order() -> None:
+    asm = BatchAssembler(train_batch_size=4, group_size=2, max_staleness=1)
+    for t in group("a", [0, 0])[:1] + group("b", [0, 0]) + group("c", [0, 0]):
+        asm.add(t)
+    batch = asm.cut()
+    assert batch is not None and batch.train_step == 0
+    assert [t.group_id for t in batch.trajectories] == ["b", "b", "c", "c"]  # 'a' incomplete: waits
+    assert asm.cut() is None
+    asm.add(group("a", [0, 0])[1])
+    assert asm.pending() == 2 and asm.cut() is None  # one complete group < TBS/G
+
+
+def test_duplicates_are_ignored() -> None:
+    asm = BatchAssembler(4, 2, 0)
+    g = group("a", [0, 0])
+    assert asm.add(g[0]) and not asm.add(g[0])
+    assert asm.duplicates == 1
+
+
+def test_oldest_version_first_then_completion_order() -> None:
+    asm = BatchAssembler(train_batch_size=2, group_size=2, max_staleness=2, next_step=2)
+    for t in group("new", [2, 2]) + group("old", [1, 0]) + group("mid", [1, 1]):
+        asm.add(t)
+    first = asm.cut()
+    assert first is not None and {t.group_id for t in first.trajectories} == {"old"}
+    assert sorted(first.staleness()) == [1, 2]
+    second = asm.cut()
+    assert second is not None and {t.group_id for t in second.trajectories} == {"mid"}
+
+
+def test_staleness_gate_refuses_over_stale_groups_and_never_batches_them() -> None:
+    asm = BatchAssembler(train_batch_size=2, group_size=2, max_staleness=1, next_step=3)
+    for t in group("stale", [1, 2]) + group("ok", [2, 3]):
+        asm.add(t)
+    refused = asm.refuse_over_stale()
+    assert {t.group_id for t in refused} == {"stale"}
+    batch = asm.cut()
+    assert batch is not None and max(batch.staleness()) <= 1
+
+
+def test_every_complete_group_lands_in_exactly_one_batch() -> None:
+    asm = BatchAssembler(train_batch_size=8, group_size=4, max_staleness=0)
+    seen: list[str] = []
+    for k in range(5):
+        for g in range(2):
+            for t in group(f"s{k}g{g}", [k] * 4):
+                asm.add(t)
+        batch = asm.cut()
+        assert batch is not None and batch.train_step == k
+        seen.extend(t.trajectory_id for t in batch.trajectories)
+    assert len(seen) == len(set(seen)) == 40
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("sync", [0, 1, 2]), ("one_step_off", [0, 0, 1])])
+def test_wave_versions(mode: str, expected: list[int]) -> None:
+    s: Scheduler[str] = Scheduler(mode, train_batch_size=4, group_size=2, steps=3, num_instances=2)
+    for i in range(10):
+        s.add_prompt(f"p{i}", f"prompt{i}")
+    s.on_version(0)
+    first = s.dispatch()
+    waves_now = 1 if mode == "sync" else 2
+    assert len(first) == 4 * waves_now
+    assert {d.version for d in first} == {0}
+    assert s.dispatch() == []  # waits for the next version
+    s.on_version(1)
+    second = s.dispatch()
+    s.on_version(2)
+    third = s.dispatch()
+    versions = [d.version for d in first + second + third]
+    waves = sorted({(d.wave, d.version) for d in first + second + third})
+    assert [v for _, v in waves] == expected
+    assert len(versions) == 12 and s.done()
+
+
+def test_dispatch_spreads_load_and_keeps_groups_whole() -> None:
+    s: Scheduler[str] = Scheduler("sync", train_batch_size=8, group_size=4, steps=1, num_instances=2)
+    s.add_prompt("a", "A")
+    s.add_prompt("b", "B")
+    s.on_version(0)
+    out = s.dispatch()
+    assert s.load() == [4, 4]
+    assert sorted(d.trajectory_id for d in out) == sorted(f"{g}/{i}" for g in "ab" for i in range(4))
+    for d in out[:3]:
+        s.on_completed(d.trajectory_id)
+    assert sum(s.load()) == 5
+
+
+def test_waits_for_enough_prompts() -> None:
+    s: Scheduler[str] = Scheduler("sync", train_batch_size=8, group_size=4, steps=1, num_instances=1)
+    s.add_prompt("a", "A")
+    s.on_version(0)
+    assert s.dispatch() == []
+    s.add_prompt("b", "B")
+    assert len(s.dispatch()) == 8
