@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, LookupError, FileNotFoundError, RuntimeError) as exc:
-        logging.getLogger("dora_rl").error("%s: %s", type(exc).__name__, exc)
+        # user-facing tools print one line; roles (running unattended) log the traceback too
+        logging.getLogger("dora_rl").error("%s: %s", type(exc).__name__, exc, exc_info=args.command in ROLES)
         return 2
 
 

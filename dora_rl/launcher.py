@@ -157,6 +157,7 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
                           group_suffix=f".{now_ms()}")
     progress = Progress()
     failed: str | None = None
+    trainer_exit: float | None = None
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", disable=quiet, file=sys.stderr)
     try:
         while not progress.done:
@@ -169,12 +170,13 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
                 live = sorted(set(progress.instance_versions.values()))
                 bar.set_postfix(reward=f"{progress.rewards[last]:.3f}",
                                 tok_s=f"{sum(progress.tokens.values()) / elapsed:.0f}", versions=str(live))
-            dead = [n for n, p in procs.items() if n != "dataset" and p.poll() is not None]
+            dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+            if procs["trainer"].poll() == 0 and not progress.done:
+                trainer_exit = trainer_exit or time.monotonic()
+                if time.monotonic() - trainer_exit > 30:
+                    dead.append("trainer")
             if dead and not progress.done:
                 failed = f"role(s) {dead} exited early (exit codes {[procs[n].returncode for n in dead]}); see {logs}"
-                break
-            if procs["dataset"].poll() not in (None, 0):
-                failed = f"dataset producer failed; see {logs / 'dataset.log'}"
                 break
     except KeyboardInterrupt:
         failed = "interrupted"

@@ -9,6 +9,7 @@ reported, never silently accepted). Replication factor is ``min(3, brokers)`` an
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -112,4 +113,23 @@ def ensure_topics(admin: AdminClient, num_partitions: int = 4, timeout: float = 
                     result[name] = "exists"
                 else:
                     raise RuntimeError(f"creating topic {name} failed: {exc}") from exc
+        wait_for_leaders(admin, [t.topic for t in to_create], timeout)
     return result
+
+
+def wait_for_leaders(admin: AdminClient, names: list[str], timeout: float = 30.0) -> None:
+    """Block until every partition of ``names`` has a leader (new topics take a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        md = admin.list_topics(timeout=timeout)
+        missing = [
+            f"{n}[{p}]"
+            for n in names
+            for p, pm in (md.topics[n].partitions.items() if n in md.topics else [(-1, None)])
+            if pm is None or pm.leader < 0
+        ]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no leader after {timeout}s for {missing[:5]}")
+        time.sleep(0.2)

@@ -69,8 +69,8 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
     batches = app.topic(topics.BATCHES, key_serializer="raw", value_serializer="raw", partitions=1)
     dlq = app.topic(topics.DLQ, key_serializer="raw", value_serializer="raw", partitions=1)
     metrics = app.topic(topics.METRICS, key_serializer="raw", value_serializer="raw", partitions=1)
-    pending = app.Table("pending", default=None, key_type=bytes, value_type=bytes,
-                        key_serializer="raw", value_serializer="raw", partitions=config.num_partitions)
+    pending = app.Table("pending", default=None, key_type=bytes, value_type=bytes,  # bytes => raw codec
+                        partitions=config.num_partitions)
 
     batches_start = {p: o for (t, p), o in start_offsets.items() if t == topics.BATCHES}
     scored_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCORED}

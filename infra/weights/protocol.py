@@ -1,0 +1,172 @@
+"""Wire protocol of the weight channel: control messages, errors, and the transport interface.
+
+Every connection starts with one *request* from the fetcher and one *reply* from the holder, both
+small JSON control messages framed as ``MAGIC(4) | length(4, big-endian) | UTF-8 JSON``
+(``length <= MAX_CONTROL``) on a plain TCP socket. Both transports use this control socket; they
+differ in how the bulk segments move (in-band on the same socket for ``tcp``, UCX tag messages
+for ``ucx``).
+
+Request ``{"proto": 1, "token": str, "op": "status" | "fetch", "version": int, "buckets": [int],
+...transport fields}``. Reply ``{"ok": false, "error": str}`` (nothing else follows), or for
+``status`` ``{"ok": true, "active_transfers": int, "versions": [int]}``, or for ``fetch``
+``{"ok": true, "version": int, "buckets": [int]}`` followed by the segments of those buckets in order
+and a trailer ``{"done": true, "bytes": int}``. A holder checks the token before anything else and
+sends no weight byte to a wrong one.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+PROTO = 1
+MAGIC = b"DWC1"
+MAX_CONTROL = 16 << 20
+
+
+class WeightChannelError(RuntimeError):
+    """Base class of every weight-channel failure."""
+
+
+class TransportUnavailableError(WeightChannelError):
+    """The configured transport cannot be used in this environment."""
+
+
+class HolderRefused(WeightChannelError):
+    """A holder answered but refused the request (wrong token, version not held, ...)."""
+
+
+class HolderFailed(WeightChannelError):
+    """A holder could not be reached, died or sent a truncated stream mid-transfer."""
+
+
+class WeightFetchError(WeightChannelError):
+    """No holder could deliver every bucket of a version intact."""
+
+
+# ---------------------------------------------------------------------------------------- framing
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``HolderFailed`` if the peer closes first (truncated stream)."""
+    got, n = 0, view.nbytes
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            raise HolderFailed(f"timed out after {got} of {n} bytes") from None
+        except OSError as e:
+            raise HolderFailed(f"connection failed after {got} of {n} bytes: {e}") from None
+        if k == 0:
+            raise HolderFailed(f"peer closed the connection: truncated after {got} of {n} bytes")
+        got += k
+
+
+def send_control(sock: socket.socket, msg: Mapping[str, Any]) -> None:
+    """Send one framed JSON control message."""
+    payload = json.dumps(msg, separators=(",", ":")).encode()
+    if len(payload) > MAX_CONTROL:
+        raise ValueError(f"control message of {len(payload)} bytes exceeds {MAX_CONTROL}")
+    try:
+        sock.sendall(MAGIC + len(payload).to_bytes(4, "big") + payload)
+    except OSError as e:
+        raise HolderFailed(f"could not send a control message: {e}") from None
+
+
+def recv_control(sock: socket.socket) -> dict[str, Any]:
+    """Receive one framed JSON control message (a JSON object) or raise ``HolderFailed``."""
+    head = bytearray(8)
+    recv_exact(sock, memoryview(head))
+    if head[:4] != MAGIC:
+        raise HolderFailed(f"not a weight-channel peer (got {bytes(head[:4])!r} instead of {MAGIC!r})")
+    n = int.from_bytes(head[4:], "big")
+    if n > MAX_CONTROL:
+        raise HolderFailed(f"control message of {n} bytes exceeds {MAX_CONTROL}")
+    body = bytearray(n)
+    recv_exact(sock, memoryview(body))
+    try:
+        msg = json.loads(body)
+    except ValueError as e:
+        raise HolderFailed(f"malformed control message: {e}") from None
+    if not isinstance(msg, dict):
+        raise HolderFailed("control message is not a JSON object")
+    return msg
+
+
+def peer_gone(sock: socket.socket) -> bool:
+    """True when ``sock`` is readable while no message is expected: the peer closed or broke the link."""
+    try:
+        readable, _, errored = select.select([sock], [], [sock], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable or errored)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"weight holder address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------------------------------- transport API
+
+
+class BulkConn(Protocol):
+    """One connection between a fetcher and a holder (control messages + bulk segments)."""
+
+    peer: str
+
+    def send_msg(self, msg: Mapping[str, Any]) -> None:
+        """Send a control message."""
+
+    def recv_msg(self) -> dict[str, Any]:
+        """Receive a control message (``HolderFailed`` on EOF, garbage or timeout)."""
+
+    def request_extras(self) -> dict[str, Any]:
+        """Fetcher side: transport fields to add to a fetch request (how the holder reaches us)."""
+
+    def accept_extras(self, request: Mapping[str, Any]) -> None:
+        """Holder side, after the token check: set up the bulk path from the request's fields."""
+
+    def send_segments(self, bufs: Sequence[Any]) -> int:
+        """Holder side: send the buffers in order; returns the bytes sent."""
+
+    def recv_segments(self, dests: Sequence[np.ndarray], on_done: Callable[[int], None]) -> None:
+        """Fetcher side: receive segment ``i`` into ``dests[i]`` in order, calling ``on_done(i)`` after each."""
+
+    def abort(self) -> None:
+        """Drop the connection at once (a holder dying mid-stream, in tests)."""
+
+    def close(self) -> None:
+        """Close the connection."""
+
+
+class Listener(Protocol):
+    """A holder's accept loop; calls the handler with each new connection on a thread of its own."""
+
+    address: str
+
+    def close(self) -> None:
+        """Stop accepting and release the port."""
+
+
+class Transport(Protocol):
+    """One transport kind (``tcp`` or ``ucx``)."""
+
+    kind: str
+
+    def listen(self, host: str, port: int, handler: Callable[[BulkConn], None]) -> Listener:
+        """Start accepting on ``host:port`` (0: any free port)."""
+
+    def connect(self, address: str) -> BulkConn:
+        """Open a connection to the holder at ``address`` (``HolderFailed`` if unreachable)."""
+
+    def close(self) -> None:
+        """Release transport resources (UCX worker, progress thread)."""
