@@ -253,6 +253,23 @@ class RunConsumer:
         self._consumer.close()
 
 
+def watermarks(consumer: Consumer, tp: TopicPartition, timeout: float = 15.0) -> tuple[int, int]:
+    """(low, high) watermarks, retrying while a new partition's leader is still being elected."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+            return int(low), int(high)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            retriable = isinstance(err, KafkaError) and (err.retriable() or err.code() in (
+                KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                KafkaError.UNKNOWN_TOPIC_OR_PART))
+            if not retriable or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def read_all(bootstrap: str, topic: str, start: Mapping[int, int] | None = None,
              timeout: float = 10.0, idle_s: float = 1.0) -> Iterable[Message]:
     """Read a topic from ``start`` offsets (default: beginning) to its current end, no group.
@@ -270,7 +287,7 @@ def read_all(bootstrap: str, topic: str, start: Mapping[int, int] | None = None,
         assignment: list[TopicPartition] = []
         ends: dict[int, int] = {}
         for p in md.topics[topic].partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+            low, high = watermarks(consumer, TopicPartition(topic, p), timeout)
             first = max(low, (start or {}).get(p, low))
             if first < high:
                 assignment.append(TopicPartition(topic, p, first))

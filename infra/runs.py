@@ -18,7 +18,7 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RunInfo, TopicOffset
 
 from . import topics
-from .kafka_io import RecordProducer, now_ms, read_all
+from .kafka_io import RecordProducer, now_ms, read_all, watermarks
 
 
 def new_run_id() -> str:
@@ -36,7 +36,7 @@ def end_offsets(bootstrap: str, names: list[str] | None = None, timeout: float =
             if name not in md.topics:
                 raise RuntimeError(f"topic {name} does not exist; run `dora-rl topics create` first")
             for p in sorted(md.topics[name].partitions):
-                _, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=timeout)
+                _, high = watermarks(consumer, TopicPartition(name, p), timeout)
                 out.append(TopicOffset(topic=name, partition=p, offset=high))
         return out
     finally:

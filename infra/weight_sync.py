@@ -158,7 +158,8 @@ class Fetcher:
 
             manifest = WeightManifest.from_dict(manifest_from_announcement(ann))
             holders = list(ann.holders) + list(extra_holders or [])
-            target = dict(model.state_dict())
+            names = {t.name for t in ann.tensors}
+            target = {k: v for k, v in model.state_dict().items() if k in names}  # tied weights appear once
             state = self._client.fetch(manifest, holders, into=target)
             if state is not target:
                 load_weights(model, state)

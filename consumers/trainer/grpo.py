@@ -228,7 +228,7 @@ def ppo_update(
                 loss, st = ppo_clip_loss(new_lp, beh, advantages[micro].to(dev), mask, cfg.clip_eps,
                                          cfg.tis_cap, num_tokens=n_tok)
                 loss.backward()
-                agg["loss"] += float(loss)
+                agg["loss"] += float(loss.detach())
                 for key in ("clip_frac", "approx_kl", "ratio_mean"):
                     agg[key] += st[key] * st["n_tokens"] / n_tok
                 agg["ratio_max"] = max(agg["ratio_max"], st["ratio_max"])

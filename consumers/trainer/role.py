@@ -133,7 +133,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     save_checkpoint(model, tok, run_dir / "checkpoints" / f"v{step:06d}")
                 wait_started = time.perf_counter()
-        metrics.emit("done", step, step=step)
+        metrics.emit("done", step)
         producer.flush()
     finally:
         consumer.close()
