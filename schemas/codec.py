@@ -42,6 +42,7 @@ SCHEMA_FILES: dict[str, str] = {
     "dora.v1.DeadLetter": "dead_letter.avsc",
     "dora.v1.Metric": "metric.avsc",
     "dora.v1.RunInfo": "run_info.avsc",
+    "dora.v1.StepSeal": "step_seal.avsc",
 }
 
 
@@ -125,7 +126,7 @@ def encode(name: str, record: Mapping[str, Any]) -> tuple[bytes, list[tuple[str,
     parsed = schema_for(name)
     buf = io.BytesIO()
     try:
-        fastavro.schemaless_writer(buf, parsed, dict(record), strict=True)
+        fastavro.schemaless_writer(buf, parsed, dict(record), strict_allow_default=True)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"record does not match {name}: {exc}") from exc
     headers = [(HEADER_SCHEMA, name.encode()), (HEADER_FINGERPRINT, current_fingerprint(name).encode())]

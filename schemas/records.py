@@ -149,6 +149,7 @@ class TokenChunk(Record):
     logprobs: np.ndarray = packed(F32)
     final: bool = False
     ts_ms: int = 0
+    aborted: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -329,9 +330,24 @@ class RunInfo(Record):
     summary_json: str | None = None
 
 
+@dataclass(frozen=True)
+class StepSeal(Record):
+    """Written by the orchestrator; read by the batch assembler. Topic ``dora.schedule``."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.StepSeal"
+    run_id: str
+    train_step: int
+    dispatched_by_version: dict[str, int]
+    ts_ms: int
+
+    def counts(self) -> dict[int, int]:
+        """``{version: dispatched}`` with integer versions."""
+        return {int(k): int(v) for k, v in self.dispatched_by_version.items()}
+
+
 #: Every top-level record class by schema name.
 RECORDS: dict[str, type[Record]] = {
     cls.SCHEMA: cls
     for cls in (Prompt, RolloutRequest, TokenChunk, Trajectory, InstanceStatus, PolicyVersion,
-                TrainBatch, DeadLetter, Metric, RunInfo)
+                TrainBatch, DeadLetter, Metric, RunInfo, StepSeal)
 }

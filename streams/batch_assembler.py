@@ -26,7 +26,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import now_ms, read_all
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import DeadLetter, Metric, TrainBatch, Trajectory
+from dora_rl.schemas.records import DeadLetter, Metric, StepSeal, TrainBatch, Trajectory
 
 from .batching import BatchAssembler
 
@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 COMPONENT = "assembler"
 
 
-def recover_progress(bootstrap: str, run_id: str, start: Mapping[int, int]) -> tuple[int, set[str]]:
-    """(next train step, ids already batched) of ``run_id`` from ``dora.train.batches``."""
+def recover_progress(bootstrap: str, run_id: str, start: Mapping[int, int]) -> tuple[int, list[Trajectory]]:
+    """(next train step, trajectories already batched) of ``run_id`` from ``dora.train.batches``."""
     next_step = 0
-    batched: set[str] = set()
+    batched: list[Trajectory] = []
     for msg in read_all(bootstrap, topics.BATCHES, start):
         try:
             batch = TrainBatch.decode(msg.value(), msg.headers())
@@ -46,7 +46,7 @@ def recover_progress(bootstrap: str, run_id: str, start: Mapping[int, int]) -> t
         if batch.run_id != run_id:
             continue
         next_step = max(next_step, int(batch.train_step) + 1)
-        batched.update(t.trajectory_id for t in batch.trajectories)
+        batched.extend(batch.trajectories)
     return next_step, batched
 
 
@@ -67,6 +67,8 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
     scored = app.topic(topics.SCORED, key_type=bytes, value_type=bytes, key_serializer="raw",
                        value_serializer="raw", partitions=config.num_partitions)
     batches = app.topic(topics.BATCHES, key_serializer="raw", value_serializer="raw", partitions=1)
+    schedule = app.topic(topics.SCHEDULE, key_type=bytes, value_type=bytes, key_serializer="raw",
+                         value_serializer="raw", partitions=1)
     dlq = app.topic(topics.DLQ, key_serializer="raw", value_serializer="raw", partitions=1)
     metrics = app.topic(topics.METRICS, key_serializer="raw", value_serializer="raw", partitions=1)
     pending = app.Table("pending", default=None, key_type=bytes, value_type=bytes,  # bytes => raw codec
@@ -74,6 +76,7 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
 
     batches_start = {p: o for (t, p), o in start_offsets.items() if t == topics.BATCHES}
     scored_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCORED}
+    schedule_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCHEDULE}
     state: dict[str, Any] = {"assembler": None, "refused": 0}
 
     def assembler() -> BatchAssembler:
@@ -81,11 +84,8 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             next_step, batched = recover_progress(bootstrap, run_id, batches_start)
             asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness, next_step)
             asm.mark_seen(batched)
-            for tid, value in list(pending.items()):  # recovered from the changelog
-                traj = Trajectory.decode(value)
-                if tid.decode() in batched:
-                    continue
-                asm.add(traj)
+            for _tid, value in list(pending.items()):  # recovered from the changelog
+                asm.add(Trajectory.decode(value))  # ids batched already count as duplicates
             state["assembler"] = asm
             log.info("assembler ready: next step %d, %d batched ids, %d pending", next_step, len(batched),
                      asm.pending())
@@ -94,7 +94,7 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
 
     async def refuse(event: Any, reason: str, error_type: str) -> None:
         letter = DeadLetter(component=COMPONENT, reason=reason, error_type=error_type,
-                            source_topic=topics.SCORED, source_partition=event.message.partition,
+                            source_topic=event.message.topic, source_partition=event.message.partition,
                             source_offset=event.message.offset, ts_ms=now_ms(), run_id=run_id,
                             key=event.key, value=event.value)
         value, headers = letter.encode()
@@ -104,6 +104,30 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
         m = Metric(run_id=run_id, component=COMPONENT, name=name, value=float(value), ts_ms=now_ms(), step=step)
         v, h = m.encode()
         await metrics.send(key=f"{COMPONENT}/{name}".encode(), value=v, headers=h)
+
+    async def try_cut(event: Any) -> None:
+        asm = assembler()
+        for bad in asm.refuse_over_stale():
+            state["refused"] += 1
+            await refuse(event, f"over-stale: trajectory {bad.trajectory_id} of version "
+                         f"{bad.policy_version} for step {asm.next_step} (S={config.max_staleness})", "stale")
+            pending.pop(bad.trajectory_id.encode(), None)
+        while (cut := asm.cut()) is not None:
+            batch = TrainBatch(run_id=run_id, batch_id=f"{run_id}/step{cut.train_step}",
+                               train_step=cut.train_step, base_version=cut.train_step,
+                               max_staleness=config.max_staleness, created_ms=now_ms(),
+                               trajectories=tuple(cut.trajectories))  # type: ignore[arg-type]
+            value, headers = batch.encode()
+            await batches.send(key=make_key(cut.train_step, f"step{cut.train_step}").encode(),
+                               value=value, headers=headers)
+            for t in cut.trajectories:
+                pending.pop(t.trajectory_id.encode(), None)
+            stale = cut.staleness()
+            await metric("batch_emitted", len(cut.trajectories), cut.train_step)
+            await metric("batch_max_staleness", max(stale), cut.train_step)
+            await metric("over_stale_refused", state["refused"], cut.train_step)
+            log.info("batch step %d: %d trajectories, staleness max %d", cut.train_step,
+                     len(cut.trajectories), max(stale))
 
     @app.agent(scored)
     async def assemble(stream: Any) -> None:
@@ -121,31 +145,25 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             if traj.reward is None:
                 await refuse(event, "trajectory on dora.rollout.scored has no reward", "schema")
                 continue
-            asm = assembler()
-            if not asm.add(traj):
+            if not assembler().add(traj):
                 continue
             pending[traj.trajectory_id.encode()] = event.value
-            for bad in asm.refuse_over_stale():
-                state["refused"] += 1
-                await refuse(event, f"over-stale: trajectory {bad.trajectory_id} of version "
-                             f"{bad.policy_version} for step {asm.next_step} (S={config.max_staleness})", "stale")
-                pending.pop(bad.trajectory_id.encode(), None)
-            while (cut := asm.cut()) is not None:
-                batch = TrainBatch(run_id=run_id, batch_id=f"{run_id}/step{cut.train_step}",
-                                   train_step=cut.train_step, base_version=cut.train_step,
-                                   max_staleness=config.max_staleness, created_ms=now_ms(),
-                                   trajectories=tuple(cut.trajectories))  # type: ignore[arg-type]
-                value, headers = batch.encode()
-                await batches.send(key=make_key(cut.train_step, f"step{cut.train_step}").encode(),
-                                   value=value, headers=headers)
-                for t in cut.trajectories:
-                    pending.pop(t.trajectory_id.encode(), None)
-                stale = cut.staleness()
-                await metric("batch_emitted", len(cut.trajectories), cut.train_step)
-                await metric("batch_max_staleness", max(stale), cut.train_step)
-                await metric("over_stale_refused", state["refused"], cut.train_step)
-                log.info("batch step %d: %d trajectories, staleness max %d", cut.train_step,
-                         len(cut.trajectories), max(stale))
+            await try_cut(event)
+
+    @app.agent(schedule)
+    async def seals(stream: Any) -> None:
+        async for event in stream.events():
+            if event.message.offset < schedule_start.get(event.message.partition, 0):
+                continue
+            try:
+                seal = StepSeal.decode(event.value, _headers(event))
+            except DecodeError as exc:
+                await refuse(event, str(exc), exc.error_type)
+                continue
+            if seal.run_id != run_id:
+                continue
+            assembler().on_seal(int(seal.train_step), seal.counts())
+            await try_cut(event)
 
     return app
 

@@ -17,6 +17,13 @@ Rules, for each batch in step order:
 4. **Order.** Groups containing the oldest version go first (so no version outlives its window),
    then completion order (the order in which groups became complete).
 
+5. **Seals.** The batch of step ``k`` is cut only after the orchestrator's *seal* of ``k``
+   (:class:`~dora_rl.schemas.records.StepSeal`): the promise that no trajectory with deadline
+   ``v + S <= k`` will be dispatched any more, with the final count dispatched per such version.
+   The cut waits until every one of those trajectories has arrived; they are then the first in
+   the batch (rule 4), so no dispatched trajectory can miss its deadline. The orchestrator's
+   feasibility rule guarantees they fit in TBS.
+
 The assembler never holds a group back when it is eligible and the batch is not full, so every
 complete, non-refused group ends in exactly one batch (C2).
 """
@@ -63,7 +70,8 @@ class AssembledBatch:
 class BatchAssembler:
     """Buffers trajectories into complete groups and cuts batches under the staleness gate."""
 
-    def __init__(self, train_batch_size: int, group_size: int, max_staleness: int, next_step: int = 0) -> None:
+    def __init__(self, train_batch_size: int, group_size: int, max_staleness: int, next_step: int = 0,
+                 require_seals: bool = True) -> None:
         if train_batch_size % group_size:
             raise ValueError("train_batch_size must be a multiple of group_size")
         self.train_batch_size = train_batch_size
@@ -74,6 +82,9 @@ class BatchAssembler:
         self._complete: dict[str, _Group] = {}
         self._seen: set[str] = set()
         self._seq = 0
+        self._arrived: dict[int, int] = {}
+        self._seals: dict[int, dict[int, int]] = {}
+        self.require_seals = require_seals
         self.duplicates = 0
 
     @property
@@ -88,6 +99,8 @@ class BatchAssembler:
             self.duplicates += 1
             return False
         self._seen.add(tid)
+        v = int(trajectory.policy_version)
+        self._arrived[v] = self._arrived.get(v, 0) + 1
         group = self._groups.setdefault(trajectory.group_id, _Group())
         group.members[tid] = trajectory
         if len(group.members) == self.group_size:
@@ -96,9 +109,22 @@ class BatchAssembler:
             self._complete[trajectory.group_id] = self._groups.pop(trajectory.group_id)
         return True
 
-    def mark_seen(self, trajectory_ids: Iterable[str]) -> None:
-        """Record ids already consumed by earlier batches (recovery), so they count as duplicates."""
-        self._seen.update(trajectory_ids)
+    def mark_seen(self, trajectories: Iterable[HasVersion]) -> None:
+        """Record trajectories consumed by earlier batches (recovery): duplicates from now on."""
+        for t in trajectories:
+            if t.trajectory_id not in self._seen:
+                self._seen.add(t.trajectory_id)
+                v = int(t.policy_version)
+                self._arrived[v] = self._arrived.get(v, 0) + 1
+
+    def on_seal(self, train_step: int, dispatched_by_version: dict[int, int]) -> None:
+        """The orchestrator sealed ``train_step`` (rule 5)."""
+        self._seals[train_step] = dict(dispatched_by_version)
+
+    def waiting_for(self) -> dict[int, int]:
+        """Sealed trajectories still missing for the next cut, by version ({} when none or no seal)."""
+        seal = self._seals.get(self.next_step, {})
+        return {v: n - self._arrived.get(v, 0) for v, n in seal.items() if self._arrived.get(v, 0) < n}
 
     def pending(self) -> int:
         """Trajectories buffered and not yet in a batch."""
@@ -122,7 +148,10 @@ class BatchAssembler:
         return refused
 
     def cut(self) -> AssembledBatch | None:
-        """The batch for ``next_step`` if enough eligible complete groups exist, else None."""
+        """The batch for ``next_step`` if it is sealed, every sealed trajectory arrived and enough
+        eligible complete groups exist; else None."""
+        if self.require_seals and (self.next_step not in self._seals or self.waiting_for()):
+            return None
         eligible = [(gid, g) for gid, g in self._complete.items()
                     if self.next_step - g.min_version() <= self.max_staleness]
         if len(eligible) < self.groups_per_batch:
@@ -134,5 +163,6 @@ class BatchAssembler:
             del self._complete[gid]
             trajectories.extend(sorted(g.members.values(), key=lambda t: t.trajectory_id))
         batch = AssembledBatch(self.next_step, tuple(trajectories))
+        self._seals.pop(self.next_step, None)
         self.next_step += 1
         return batch

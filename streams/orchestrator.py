@@ -20,7 +20,15 @@ from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.keys import make_key
-from dora_rl.schemas.records import PolicyVersion, Prompt, RolloutRequest, Trajectory, TrainBatch
+from dora_rl.schemas.records import (
+    PolicyVersion,
+    Prompt,
+    RolloutRequest,
+    StepSeal,
+    TokenChunk,
+    Trajectory,
+    TrainBatch,
+)
 
 from .scheduling import Dispatch, Scheduler
 
@@ -35,7 +43,7 @@ def make_scheduler(config: DoraConfig) -> Any:
 
         return DoraScheduler(config)
     return Scheduler(config.mode, config.train_batch_size, config.group_size, config.steps,
-                     config.num_instances)
+                     config.num_instances, config.max_staleness)
 
 
 def request_for(run_id: str, d: Dispatch[Prompt], config: DoraConfig) -> RolloutRequest:
@@ -51,21 +59,24 @@ def request_for(run_id: str, d: Dispatch[Prompt], config: DoraConfig) -> Rollout
 
 def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                      start_offsets: dict[tuple[str, int], int], stop: Callable[[], bool] = lambda: False) -> None:
-    """Run until every wave is dispatched and consumed (or ``stop()``)."""
+    """Run until every trajectory is dispatched and every step consumed (or ``stop()``)."""
     producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}")
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
-    consumer = RunConsumer(
-        bootstrap, run_id, COMPONENT,
-        {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion, topics.TRAJECTORIES: Trajectory,
-         topics.BATCHES: TrainBatch, topics.REQUESTS: RolloutRequest},
-        dlq, start_offsets, group_suffix=f".{now_ms()}")
+    inputs: dict[str, type[Any]] = {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion,
+                                    topics.TRAJECTORIES: Trajectory, topics.BATCHES: TrainBatch,
+                                    topics.REQUESTS: RolloutRequest}
+    if config.mode == "dora":
+        inputs[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
+    consumer = RunConsumer(bootstrap, run_id, COMPONENT, inputs, dlq, start_offsets, group_suffix=f".{now_ms()}")
     scheduler = make_scheduler(config)
+    requests: dict[str, RolloutRequest] = {}
     already: set[str] = set()
     sched_s = 0.0
+    consumed_steps = 0
     try:
         while not stop():
-            envelopes = consumer.poll(0.2)
+            envelopes = consumer.poll(0.1)
             t0 = time.perf_counter()
             for env in envelopes:
                 rec = env.record
@@ -77,23 +88,45 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                 elif env.topic == topics.TRAJECTORIES:
                     scheduler.on_completed(rec.trajectory_id)
                 elif env.topic == topics.BATCHES:
+                    consumed_steps = max(consumed_steps, int(rec.train_step) + 1)
                     scheduler.on_consumed(int(rec.train_step), [t.trajectory_id for t in rec.trajectories])
                 elif env.topic == topics.REQUESTS:
                     already.add(rec.group_id)  # dispatched by an earlier incarnation
-            dispatches = scheduler.dispatch()
-            for d in dispatches:
+                elif env.topic == topics.TOKENS and rec.aborted:
+                    scheduler.on_aborted(rec.trajectory_id, rec)
+            out = 0
+            for d in scheduler.dispatch():
                 req = request_for(run_id, d, config)
+                requests[req.trajectory_id] = req
                 producer.send(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
                 already.add(d.group_id)
+                out += 1
+            for cancel in getattr(scheduler, "cancels", []):
+                for tid in cancel.trajectory_ids:
+                    req = requests[tid].replace(action="CANCEL", dispatched_ms=now_ms())
+                    producer.send(topics.REQUESTS, req, make_key(int(req.policy_version), req.group_id),
+                                  partition=cancel.instance)
+                metrics.emit("migrations_started", len(cancel.trajectory_ids))
+            if hasattr(scheduler, "cancels"):
+                scheduler.cancels.clear()
+                for mig, target in scheduler.resumes():
+                    chunk: TokenChunk = mig.partial
+                    req = requests[mig.trajectory_id].replace(
+                        instance_id=f"rollout-{target}", action="GENERATE", partial_ids=chunk.token_ids,
+                        partial_logprobs=chunk.logprobs, dispatched_ms=now_ms())
+                    producer.send(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
+                    out += 1
+            for step, counts in scheduler.seals():
+                seal = StepSeal(run_id=run_id, train_step=step, ts_ms=now_ms(),
+                                dispatched_by_version={str(v): n for v, n in counts.items()})
+                producer.send(topics.SCHEDULE, seal, make_key(step, "seal"))
+                out += 1
             sched_s += time.perf_counter() - t0
-            if dispatches:
+            if out:
                 producer.flush()
-                metrics.emit("dispatched", len(dispatches), version=dispatches[-1].version)
                 metrics.emit("scheduling_s", sched_s)
-                log.info("dispatched %d requests (version %d)", len(dispatches), dispatches[-1].version)
-            if scheduler.done() and scheduler.state.consumed_steps >= config.steps:
+            if scheduler.done() and consumed_steps >= config.steps:
                 break
     finally:
         producer.flush()
         consumer.close()
-

@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .seals import seal_counts, sealable_steps
+
 P = TypeVar("P")
 
 
@@ -60,7 +62,7 @@ class Scheduler(Generic[P]):
     """Wave-based dispatch for ``sync``, ``one_step_off`` and ``partial``."""
 
     def __init__(self, mode: str, train_batch_size: int, group_size: int, steps: int,
-                 num_instances: int) -> None:
+                 num_instances: int, max_staleness: int | None = None) -> None:
         if mode not in ("sync", "one_step_off", "partial"):
             raise ValueError(f"Scheduler handles sync/one_step_off/partial, not {mode!r}")
         self.mode = mode
@@ -68,7 +70,11 @@ class Scheduler(Generic[P]):
         self.prompts_per_wave = train_batch_size // group_size
         self.steps = steps
         self.num_instances = num_instances
+        self.max_staleness = (1 if mode == "one_step_off" else 0) if max_staleness is None else max_staleness
+        self.train_batch_size = train_batch_size
         self.state = SchedulerState()
+        self.sealed_upto = -1
+        self.dispatched_by_version: dict[int, int] = {}
         self._prompts: deque[tuple[str, P]] = deque()
 
     def add_prompt(self, group_id: str, prompt: P) -> None:
@@ -117,6 +123,7 @@ class Scheduler(Generic[P]):
                     d = Dispatch(prompt, group_id, i, version, inst, wave)
                     self.state.in_flight[d.trajectory_id] = inst
                     self.state.version_of[d.trajectory_id] = version
+                    self.dispatched_by_version[version] = self.dispatched_by_version.get(version, 0) + 1
                     out.append(d)
             self.state.waves_dispatched += 1
         return out
@@ -124,3 +131,13 @@ class Scheduler(Generic[P]):
     def done(self) -> bool:
         """All waves dispatched."""
         return self.state.waves_dispatched >= self.steps
+
+    def seals(self) -> list[tuple[int, dict[int, int]]]:
+        """Steps sealed by what happened so far: (step, dispatched count per version with deadline <= step)."""
+        steps = sealable_steps((v + self.max_staleness for v in self.state.version_of.values()),
+                               self.state.consumed_steps, self.sealed_upto, self.state.latest_version,
+                               self.max_staleness, self.train_batch_size, self.steps, self.done())
+        out = [(c, seal_counts(self.dispatched_by_version, c, self.max_staleness)) for c in steps]
+        if steps:
+            self.sealed_upto = steps[-1]
+        return out

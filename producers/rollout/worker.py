@@ -5,17 +5,24 @@ all of ``dora.policy.versions``; writes ``dora.rollout.tokens`` (chunks as they 
 ``dora.rollout.trajectories`` (each trajectory the moment it finishes, in completion order) and
 ``dora.instances`` (heartbeats).
 
-C1: a request tagged with version ``v`` is generated only while this instance holds ``v``; to
-serve requests of another version the instance first finishes its current ``generate`` call, then
-loads ``v`` (fetching it from a holder over the weight channel), so no trajectory ever mixes versions.
-Requests wait for their version to be announced. Offsets are committed only up to the oldest
-request not yet finished (so a crash re-generates, never loses, a trajectory; the scorer and the
-assembler are idempotent on trajectory ids).
+C1: a request tagged with version ``v`` is generated only while this instance holds ``v``. The
+engine runs in a generation thread; the instance switches version only when that thread is idle
+(no ``generate`` call in progress), so no trajectory ever mixes versions. Requests of the held
+version that arrive while a call runs join it when the engine supports continuous batching
+(``engine.add``); otherwise they wait for the next call. Requests wait for their version to be
+announced; the oldest pending version is served first.
+
+Migration: a CANCEL request aborts the trajectory here; its whole partial response is written as
+one ``TokenChunk`` with ``aborted = true`` (start 0) for the orchestrator to resume elsewhere.
+
+Offsets are committed only below the oldest request not yet finished, so a crash re-generates,
+never loses, a trajectory (downstream consumers are idempotent on trajectory ids).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,14 +56,16 @@ class RequestReader:
         self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.rollout-{index}",
                                                  f"rollout-{index}-{run_id}"))
         committed = self.consumer.committed([self.tp], timeout=30)[0].offset
-        self.tp.offset = committed if committed not in (OFFSET_INVALID,) and committed >= 0 else start
+        self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start
         self.consumer.assign([self.tp])
+        self.next_offset = self.tp.offset
 
     def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:
         out: list[tuple[int, RolloutRequest]] = []
         for msg in self.consumer.consume(500, timeout):
             if msg.error() is not None:
                 continue
+            self.next_offset = (msg.offset() or 0) + 1
             try:
                 req = RolloutRequest.decode(msg.value(), msg.headers())
             except DecodeError as exc:
@@ -68,7 +77,107 @@ class RequestReader:
 
     def commit_before(self, offset: int) -> None:
         """Commit: every request below ``offset`` is done."""
-        self.consumer.commit(offsets=[TopicPartition(self.tp.topic, self.tp.partition, offset)], asynchronous=False)
+        if offset >= 0:
+            self.consumer.commit(offsets=[TopicPartition(self.tp.topic, self.tp.partition, offset)],
+                                 asynchronous=False)
+
+
+def make_engine(config: DoraConfig, model: Any, tokenizer: Any, index: int) -> Any:
+    """The rollout engine of ``config.engine``."""
+    if config.engine == "emulated":
+        from .emulated import EmulatedEngine, EmulatedParams
+
+        params = EmulatedParams.from_dict({"seed": config.seed, **config.emulated})
+        return EmulatedEngine(params, capacity=config.instance_concurrency)
+    if config.engine == "vllm":
+        from .vllm_engine import VllmEngine
+
+        return VllmEngine(config, index)
+    from .torch_engine import TorchEngine
+
+    return TorchEngine(model, tokenizer, temperature=config.temperature, seed=config.seed * 1000 + index)
+
+
+class Instance:
+    """State and Kafka outputs of one rollout instance (callbacks run in the generation thread)."""
+
+    def __init__(self, run_id: str, index: int, config: DoraConfig, producer: RecordProducer,
+                 decode: Callable[[list[int]], str]) -> None:
+        self.run_id, self.index, self.config = run_id, index, config
+        self.instance_id = f"rollout-{index}"
+        self.producer = producer
+        self.decode = decode
+        self.lock = threading.Lock()
+        self.pending: dict[str, tuple[int, RolloutRequest]] = {}  # not finished (queued or running)
+        self.running: set[str] = set()
+        self.chunk_pos: dict[str, int] = {}
+        self.held = -1
+        self.tokens = 0
+        self.busy_s = 0.0
+        self.state = "STARTING"
+        self.last_hb = 0.0
+
+    def heartbeat(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self.last_hb < self.config.heartbeat_s:
+            return
+        self.last_hb = time.monotonic()
+        with self.lock:
+            running = tuple(sorted(self.running))
+        st = InstanceStatus(run_id=self.run_id, instance_id=self.instance_id, instance_index=self.index,
+                            loaded_version=self.held, state=self.state, in_flight=len(running),
+                            capacity=self.config.instance_concurrency, in_flight_ids=running[:256],
+                            weight_endpoint="", generated_tokens=self.tokens, busy_s=self.busy_s, ts_ms=now_ms())
+        self.producer.send(topics.INSTANCES, st, make_key(max(self.held, 0), self.instance_id))
+
+    def _partition(self, group_id: str) -> int:
+        return partition_for(group_id, self.config.num_partitions)
+
+    def on_chunk(self, rid: str, ids: list[int], lps: list[float]) -> None:
+        req = self.pending[rid][1]
+        start = self.chunk_pos.get(rid, len(req.partial_ids))
+        self.chunk_pos[rid] = start + len(ids)
+        self.producer.send(topics.TOKENS, TokenChunk(
+            run_id=self.run_id, trajectory_id=rid, group_id=req.group_id, policy_version=self.held,
+            instance_id=self.instance_id, start=start, token_ids=np.asarray(ids), logprobs=np.asarray(lps),
+            final=False, ts_ms=now_ms()), make_key(self.held, req.group_id), partition=self._partition(req.group_id))
+        self.tokens += len(ids)
+        self.heartbeat()
+
+    def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float]) -> None:
+        """Hand a cancelled trajectory back: its whole partial response, for migration."""
+        self.producer.send(topics.TOKENS, TokenChunk(
+            run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id,
+            policy_version=int(req.policy_version), instance_id=self.instance_id, start=0,
+            token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32), final=True,
+            ts_ms=now_ms(), aborted=True), make_key(int(req.policy_version), req.group_id),
+            partition=self._partition(req.group_id))
+
+    def on_finish(self, res: GenResult) -> None:
+        req = self.pending[res.request_id][1]
+        if res.finish_reason == "abort":
+            self.aborted(req, list(res.token_ids), list(res.logprobs))
+        else:
+            traj = Trajectory(
+                run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id, prompt_id=req.prompt_id,
+                sample_index=req.sample_index, group_size=req.group_size, policy_version=req.policy_version,
+                task=req.task, reference=req.reference, prompt_ids=req.prompt_ids,
+                response_ids=np.asarray(res.token_ids, dtype=np.int32),
+                behaviour_logprobs=np.asarray(res.logprobs, dtype=np.float32),
+                response_text=self.decode(list(res.token_ids)), finish_reason=FINISH[res.finish_reason],
+                instance_id=self.instance_id, instance_version=self.held, dispatched_ms=req.dispatched_ms,
+                first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000))
+            self.producer.send(topics.TRAJECTORIES, traj, make_key(int(req.policy_version), req.group_id),
+                               partition=self._partition(req.group_id))
+        with self.lock:
+            self.pending.pop(res.request_id, None)
+            self.running.discard(res.request_id)
+            self.chunk_pos.pop(res.request_id, None)
+
+
+def _gen_request(r: RolloutRequest) -> GenRequest:
+    return GenRequest(request_id=r.trajectory_id, prompt_ids=[int(i) for i in r.prompt_ids],
+                      partial_ids=[int(i) for i in r.partial_ids],
+                      partial_logprobs=[float(x) for x in r.partial_logprobs], max_new_tokens=int(r.max_new_tokens))
 
 
 def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
@@ -78,118 +187,114 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     from dora_rl.modeling import decode_completion, load_policy
     from dora_rl.policy_source import resolve_model
 
-    from .torch_engine import TorchEngine
-
     torch.set_num_threads(1)
-    instance_id = f"rollout-{index}"
-    producer = RecordProducer(bootstrap, f"{instance_id}-{run_id}")
-    dlq = DeadLetters(producer, instance_id, run_id)
-    metrics = Metrics(producer, run_id, instance_id)
-    model, tok = load_policy(resolve_model(config.model, config.seed))
-    if engine is None:
-        engine = TorchEngine(model, tok, temperature=config.temperature, seed=config.seed * 1000 + index)
-    fetcher = Fetcher(config.weight_transport, token)
-    reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), dlq)
-    versions = RunConsumer(bootstrap, run_id, instance_id, {topics.VERSIONS: PolicyVersion}, dlq, start_offsets,
-                           group_suffix=f".versions.{now_ms()}")
+    producer = RecordProducer(bootstrap, f"rollout-{index}-{run_id}")
+    inst_dlq = DeadLetters(producer, f"rollout-{index}", run_id)
+    metrics = Metrics(producer, run_id, f"rollout-{index}")
+    model, tok = (None, None) if config.engine == "emulated" else load_policy(resolve_model(config.model, config.seed))
+    engine = engine or make_engine(config, model, tok, index)
+    inst = Instance(run_id, index, config, producer,
+                    (lambda ids: decode_completion(tok, ids)) if tok is not None else (lambda ids: ""))
+    fetcher = Fetcher(config.weight_transport, token) if model is not None else None
+    reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
+    versions = RunConsumer(bootstrap, run_id, inst.instance_id, {topics.VERSIONS: PolicyVersion}, inst_dlq,
+                           start_offsets, group_suffix=f".versions.{now_ms()}")
     known: dict[int, PolicyVersion] = {}
-    pending: dict[str, tuple[int, RolloutRequest]] = {}
-    held = -1
-    state = {"tokens": 0, "busy_s": 0.0, "last_hb": 0.0, "in_flight": 0, "state": "STARTING"}
+    gen_thread: threading.Thread | None = None
+    gen_error: list[BaseException] = []
+    continuous = hasattr(engine, "add")
 
-    def heartbeat(force: bool = False) -> None:
-        if not force and time.monotonic() - state["last_hb"] < config.heartbeat_s:
-            return
-        state["last_hb"] = time.monotonic()
-        st = InstanceStatus(run_id=run_id, instance_id=instance_id, instance_index=index, loaded_version=held,
-                            state=str(state["state"]), in_flight=int(state["in_flight"]),
-                            capacity=config.instance_concurrency, weight_endpoint="",
-                            generated_tokens=int(state["tokens"]), busy_s=float(state["busy_s"]), ts_ms=now_ms())
-        producer.send(topics.INSTANCES, st, make_key(max(held, 0), instance_id))
+    def generate(batch: list[RolloutRequest]) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine.generate([_gen_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
+                            on_finish=inst.on_finish)
+        except BaseException as exc:  # surfaced in the main loop
+            gen_error.append(exc)
+        finally:
+            inst.busy_s += time.perf_counter() - t0
 
-    def on_chunk(rid: str, ids: list[int], lps: list[float]) -> None:
-        req = pending[rid][1]
-        start = chunk_pos.get(rid, len(req.partial_ids))
-        chunk_pos[rid] = start + len(ids)
-        producer.send(topics.TOKENS, TokenChunk(
-            run_id=run_id, trajectory_id=rid, group_id=req.group_id, policy_version=held, instance_id=instance_id,
-            start=start, token_ids=np.asarray(ids), logprobs=np.asarray(lps), final=False, ts_ms=now_ms()),
-            make_key(held, req.group_id), partition=partition_for(req.group_id, config.num_partitions))
-        state["tokens"] = int(state["tokens"]) + len(ids)
-        heartbeat()
+    def startable() -> list[RolloutRequest]:
+        with inst.lock:
+            queued = [r for _, r in sorted(inst.pending.values(), key=lambda x: x[0])
+                      if r.trajectory_id not in inst.running and int(r.policy_version) == inst.held]
+            room = config.instance_concurrency - len(inst.running)
+            batch = queued[: max(0, room)]
+            inst.running.update(r.trajectory_id for r in batch)
+        return batch
 
-    def on_finish(res: GenResult) -> None:
-        req = pending[res.request_id][1]
-        traj = Trajectory(
-            run_id=run_id, trajectory_id=req.trajectory_id, group_id=req.group_id, prompt_id=req.prompt_id,
-            sample_index=req.sample_index, group_size=req.group_size, policy_version=req.policy_version,
-            task=req.task, reference=req.reference, prompt_ids=req.prompt_ids,
-            response_ids=np.asarray(res.token_ids), behaviour_logprobs=np.asarray(res.logprobs),
-            response_text=decode_completion(tok, list(res.token_ids)), finish_reason=FINISH[res.finish_reason],
-            instance_id=instance_id, instance_version=held, dispatched_ms=req.dispatched_ms,
-            first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000))
-        producer.send(topics.TRAJECTORIES, traj, make_key(req.policy_version, req.group_id),
-                      partition=partition_for(req.group_id, config.num_partitions))
-        finished.append(res.request_id)
-
-    chunk_pos: dict[str, int] = {}
-    finished: list[str] = []
     try:
-        heartbeat(force=True)
+        inst.heartbeat(force=True)
         while not stop():
+            if gen_error:
+                raise RuntimeError("generation failed") from gen_error[0]
             for env in versions.poll(0.0):
                 known[int(env.record.version)] = env.record
-            for offset, req in reader.poll(0.05 if pending else 0.2):
+            for offset, req in reader.poll(0.02 if inst.pending else 0.2):
                 if req.action == "CANCEL":
-                    engine.abort([req.trajectory_id])
+                    with inst.lock:
+                        entry = inst.pending.get(req.trajectory_id)
+                        queued = entry is not None and req.trajectory_id not in inst.running
+                        if queued:
+                            inst.pending.pop(req.trajectory_id)
+                    if queued and entry is not None:
+                        r = entry[1]
+                        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs])
+                    elif entry is not None:
+                        engine.abort([req.trajectory_id])
                     continue
-                if req.trajectory_id not in pending:
-                    pending[req.trajectory_id] = (offset, req)
-            if not pending:
-                state["state"] = "IDLE"
-                heartbeat()
-                continue
-            # serve the oldest-dispatched version first (C1: one version per generate call)
-            version = min(int(r.policy_version) for _, r in pending.values())
-            if version != held:
-                if version not in known:
-                    heartbeat()
-                    continue
-                state["state"] = "LOADING"
-                heartbeat(force=True)
-                fs = fetcher.fetch_into(known[version], model)
-                held = version
-                metrics.emit("switch_s", fs.seconds, version=held)
-                metrics.emit("weights_gbps", fs.gbps, version=held)
-            batch = [r for _, r in sorted(pending.values(), key=lambda x: x[0])
-                     if int(r.policy_version) == held][: config.instance_concurrency]
-            gen_requests = [GenRequest(request_id=r.trajectory_id, prompt_ids=[int(i) for i in r.prompt_ids],
-                                       partial_ids=[int(i) for i in r.partial_ids],
-                                       partial_logprobs=[float(x) for x in r.partial_logprobs],
-                                       max_new_tokens=int(r.max_new_tokens)) for r in batch]
-            state["state"] = "BUSY"
-            state["in_flight"] = len(batch)
-            heartbeat(force=True)
-            t0 = time.perf_counter()
-            engine.generate(gen_requests, on_chunk=on_chunk, chunk_tokens=16, on_finish=on_finish)
-            state["busy_s"] = float(state["busy_s"]) + time.perf_counter() - t0
-            producer.flush()
-            for rid in finished:
-                pending.pop(rid, None)
-                chunk_pos.pop(rid, None)
-            finished.clear()
-            state["in_flight"] = 0
-            low = min((o for o, _ in pending.values()), default=None)
-            if low is None:
-                low = reader.consumer.position([reader.tp])[0].offset
-            if low >= 0:
+                with inst.lock:
+                    if req.trajectory_id not in inst.pending:
+                        inst.pending[req.trajectory_id] = (offset, req)
+            busy = gen_thread is not None and gen_thread.is_alive()
+            if busy and continuous:
+                batch = startable()
+                if batch and not engine.add([_gen_request(r) for r in batch]):
+                    with inst.lock:
+                        inst.running.difference_update(r.trajectory_id for r in batch)
+            elif not busy:
+                producer.flush()
+                with inst.lock:
+                    low = min((o for o, _ in inst.pending.values()), default=reader.next_offset)
                 reader.commit_before(low)
-            metrics.emit("generated_tokens", float(state["tokens"]))
-            metrics.emit("busy_s", float(state["busy_s"]))
+                with inst.lock:
+                    wanted = sorted({int(r.policy_version) for _, r in inst.pending.values()})
+                if not wanted:
+                    inst.state = "IDLE"
+                    inst.heartbeat()
+                    continue
+                version = wanted[0] if inst.held not in wanted else inst.held
+                if version != inst.held:
+                    if version not in known:
+                        inst.heartbeat()
+                        continue
+                    inst.state = "LOADING"
+                    inst.heartbeat(force=True)
+                    t0 = time.perf_counter()
+                    if fetcher is not None and model is not None:
+                        fs = fetcher.fetch_into(known[version], model)
+                        metrics.emit("weights_gbps", fs.gbps, version=version)
+                    else:
+                        engine.load_state_dict({})
+                    inst.held = version
+                    metrics.emit("switch_s", time.perf_counter() - t0, version=version)
+                batch = startable()
+                if batch:
+                    inst.state = "BUSY"
+                    inst.heartbeat(force=True)
+                    gen_thread = threading.Thread(target=generate, args=(batch,), daemon=True)
+                    gen_thread.start()
+            inst.heartbeat()
     finally:
-        state["state"] = "STOPPED"
-        heartbeat(force=True)
+        if gen_thread is not None and gen_thread.is_alive():
+            engine.abort(None)
+            gen_thread.join(10)
+        inst.state = "STOPPED"
+        inst.heartbeat(force=True)
         producer.flush()
         reader.consumer.close()
         versions.close()
-        fetcher.close()
+        if fetcher is not None:
+            fetcher.close()
+        metrics.emit("generated_tokens", float(inst.tokens))
+        producer.flush()

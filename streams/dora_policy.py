@@ -1,0 +1,286 @@
+"""Multi-version streaming rollout (DORA, DESIGN.md §1) as pure rules: dispatch, windows, re-partition.
+
+Notation: ``V`` latest published version, ``S`` max staleness, ``c`` the next train step whose
+batch is not yet cut, TBS/RBS/G as in the config. A trajectory of version ``v`` must be consumed
+by a step ``k`` with ``k - v <= S``: its *deadline* is ``v + S``.
+
+Rules:
+
+1. **Window (C3).** At most ``S + 1`` versions are live: dispatch uses versions ``v >= V - S`` only.
+2. **Feasibility (C2 + C3).** Batches are cut oldest-version-first (earliest deadline first), TBS
+   trajectories per step. Dispatching ``n`` more trajectories of version ``v`` is allowed only if
+   the EDF condition still holds for every deadline ``D >= v + S``::
+
+       #{unconsumed trajectories with deadline <= D} + n  <=  TBS * (min(D, steps - 1) - c + 1)
+
+   so every dispatched trajectory can be consumed before it becomes over-stale — nothing is ever
+   dropped, and the trainer never has to publish a version that leaves one over-stale (the
+   assembler's matching wait rule is in :mod:`dora_rl.streams.batching`).
+3. **Over-provisioning.** Unconsumed trajectories (in flight or complete, not yet in a batch) stay
+   ``<= RBS``; in total at most ``steps * TBS`` are dispatched, so each one lands in a batch.
+4. **Newest first, back-fill.** New prompts go to the newest version ``V``; an instance still
+   holding an older live version ``v`` receives new prompts of ``v`` only into its idle slots and
+   only when rule 2 allows it.
+5. **Re-partition.** After every new version (and on demand: load pressure, timer) instances are
+   spread over live versions in proportion to their pending work (in-flight trajectories; for
+   ``V`` also the dispatch headroom), every version with in-flight work keeping at least one
+   instance; instances keep their version when possible. An instance that switches hands its
+   in-flight trajectories over: they are cancelled there and re-dispatched, with their partial
+   tokens, to an instance holding the *same* version (so the continuation is exact, C1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from dora_rl.config import DoraConfig
+
+from .scheduling import Dispatch
+from .seals import seal_counts, sealable_steps
+
+P = TypeVar("P")
+
+
+@dataclass
+class TrajState:
+    """What the scheduler tracks per unconsumed trajectory."""
+
+    version: int
+    instance: int
+    group_id: str
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop these trajectories on ``instance`` (it is switching to another version)."""
+
+    instance: int
+    trajectory_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A cancelled trajectory to resume elsewhere with the same version."""
+
+    trajectory_id: str
+    version: int
+    partial: Any
+
+
+@dataclass
+class DoraState:
+    """Everything the rules read; rebuilt from Kafka on restart by replaying the events."""
+
+    latest: int = -1
+    next_cut: int = 0
+    dispatched: int = 0
+    trajs: dict[str, TrajState] = field(default_factory=dict)
+    instance_version: list[int] = field(default_factory=list)
+    migrating: dict[str, int] = field(default_factory=dict)  # tid -> version, awaiting its partial
+    sealed_upto: int = -1
+    dispatched_by_version: dict[int, int] = field(default_factory=dict)
+
+
+class DoraScheduler(Generic[P]):
+    """The DORA dispatch policy (see the module docstring)."""
+
+    def __init__(self, config: DoraConfig) -> None:
+        self.S = config.max_staleness
+        self.tbs = config.train_batch_size
+        self.rbs = config.rollout_batch_size
+        self.G = config.group_size
+        self.steps = config.steps
+        self.n = config.num_instances
+        self.capacity = config.instance_concurrency
+        self.state = DoraState(instance_version=[-1] * self.n)
+        self._prompts: deque[tuple[str, P]] = deque()
+        self._resume: deque[tuple[Migration, int]] = deque()
+        self.cancels: list[Cancel] = []
+        self.repartitions = 0
+        self.switches = 0
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def add_prompt(self, group_id: str, prompt: P) -> None:
+        self._prompts.append((group_id, prompt))
+
+    def on_version(self, version: int) -> None:
+        if version > self.state.latest:
+            self.state.latest = version
+            self.repartition()
+
+    def on_completed(self, trajectory_id: str) -> None:
+        t = self.state.trajs.get(trajectory_id)
+        if t is not None:
+            t.done = True
+
+    def on_consumed(self, train_step: int, trajectory_ids: list[str]) -> None:
+        self.state.next_cut = max(self.state.next_cut, train_step + 1)
+        for tid in trajectory_ids:
+            self.state.trajs.pop(tid, None)
+
+    def on_aborted(self, trajectory_id: str, partial: Any) -> None:
+        """A cancelled trajectory's partial response arrived: queue it for an instance of its version."""
+        version = self.state.migrating.pop(trajectory_id, None)
+        t = self.state.trajs.get(trajectory_id)
+        if version is None or t is None or t.done:
+            return
+        self._resume.append((Migration(trajectory_id, version, partial), t.version))
+
+    # -- rules ------------------------------------------------------------------------------------
+
+    def unconsumed(self) -> int:
+        return len(self.state.trajs)
+
+    def in_flight(self, version: int | None = None) -> int:
+        return sum(1 for t in self.state.trajs.values() if not t.done and (version is None or t.version == version))
+
+    def load(self) -> list[int]:
+        counts = [0] * self.n
+        for t in self.state.trajs.values():
+            if not t.done and t.instance >= 0:
+                counts[t.instance] += 1
+        return counts
+
+    def live_versions(self) -> list[int]:
+        """Versions with unconsumed trajectories, plus the latest."""
+        live = {t.version for t in self.state.trajs.values()}
+        if self.state.latest >= 0:
+            live.add(self.state.latest)
+        return sorted(live)
+
+    def feasible(self, version: int, n: int) -> bool:
+        """Rule 2 (EDF) for ``n`` more trajectories of ``version``; also rules 1 and 3."""
+        st = self.state
+        if version < st.latest - self.S or version < 0 or version + self.S <= st.sealed_upto:
+            return False
+        if self.unconsumed() + n > self.rbs or st.dispatched + n > self.steps * self.tbs:
+            return False
+        deadlines = sorted(t.version + self.S for t in st.trajs.values())
+        new_deadline = version + self.S
+        last = self.steps - 1
+        for d in sorted({*deadlines, new_deadline}):
+            if d < new_deadline:
+                continue
+            count = sum(1 for x in deadlines if x <= d) + n
+            if count > self.tbs * (min(d, last) - st.next_cut + 1):
+                return False
+        return True
+
+    def repartition(self) -> list[Cancel]:
+        """Rule 5: reassign instances to live versions; returns the cancels it caused."""
+        self.repartitions += 1
+        latest = self.state.latest
+        if latest < 0:
+            return []
+        pending: dict[int, float] = {v: float(self.in_flight(v)) for v in self.live_versions()}
+        headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
+        pending[latest] = pending.get(latest, 0.0) + headroom
+        needed = [v for v in sorted(pending) if pending[v] > 0]
+        if not needed:
+            return []
+        # at least one instance per version with in-flight work (oldest first), rest proportional
+        quota = {v: 0 for v in needed}
+        for v in needed[: self.n]:
+            quota[v] = 1
+        spare = self.n - sum(quota.values())
+        total = sum(pending[v] for v in needed)
+        if spare > 0 and total > 0:
+            exact = {v: spare * pending[v] / total for v in needed}
+            for v in needed:
+                quota[v] += int(exact[v])
+            rest = self.n - sum(quota.values())
+            for v in sorted(needed, key=lambda v: exact[v] - int(exact[v]), reverse=True)[:rest]:
+                quota[v] += 1
+        current = self.state.instance_version
+        new = [-1] * self.n
+        for i, v in enumerate(current):  # keep instances on their version while its quota lasts
+            if v in quota and quota[v] > 0:
+                new[i] = v
+                quota[v] -= 1
+        free = [i for i in range(self.n) if new[i] < 0]
+        for v in sorted(quota, reverse=True):  # newest first
+            while quota[v] > 0 and free:
+                new[free.pop(0)] = v
+                quota[v] -= 1
+        for i in free:
+            new[i] = latest
+        cancels: list[Cancel] = []
+        for i in range(self.n):
+            if current[i] >= 0 and new[i] != current[i]:
+                self.switches += 1
+                moving = tuple(tid for tid, t in self.state.trajs.items()
+                               if t.instance == i and not t.done and t.version == current[i])
+                if moving:
+                    for tid in moving:
+                        self.state.migrating[tid] = current[i]
+                        self.state.trajs[tid].instance = -1
+                    cancels.append(Cancel(i, moving))
+        self.state.instance_version = new
+        self.cancels.extend(cancels)
+        return cancels
+
+    def _free_slots(self, version: int) -> list[tuple[int, int]]:
+        """(instance, free slots) of instances assigned to ``version``, most free first."""
+        load = self.load()
+        slots = [(i, self.capacity - load[i]) for i, v in enumerate(self.state.instance_version) if v == version]
+        return sorted([s for s in slots if s[1] > 0], key=lambda s: (-s[1], s[0]))
+
+    def resumes(self) -> list[tuple[Migration, int]]:
+        """Migrations that can be placed now: (migration, target instance of the same version)."""
+        out: list[tuple[Migration, int]] = []
+        keep: deque[tuple[Migration, int]] = deque()
+        while self._resume:
+            mig, version = self._resume.popleft()
+            slots = self._free_slots(version)
+            if not slots:
+                keep.append((mig, version))
+                continue
+            target = slots[0][0]
+            self.state.trajs[mig.trajectory_id].instance = target
+            out.append((mig, target))
+        self._resume = keep
+        return out
+
+    def dispatch(self) -> list[Dispatch[P]]:
+        """New dispatches allowed now (rules 1–4)."""
+        out: list[Dispatch[P]] = []
+        st = self.state
+        if st.latest < 0:
+            return out
+        versions = sorted((v for v in set(st.instance_version) if v >= 0), reverse=True)  # newest first
+        for version in versions:
+            while self._prompts and self.feasible(version, self.G):
+                slots = self._free_slots(version)
+                if version < st.latest and sum(s for _, s in slots) < self.G:
+                    break  # older versions only back-fill idle slots; the newest may queue (RBS bounds it)
+                group_id, prompt = self._prompts.popleft()
+                for i in range(self.G):
+                    slots = self._free_slots(version) or [(self._least_loaded(version), 0)]
+                    inst = slots[0][0]
+                    d = Dispatch(prompt, group_id, i, version, inst, st.dispatched // self.tbs)
+                    st.trajs[d.trajectory_id] = TrajState(version, inst, group_id)
+                    st.dispatched += 1
+                    st.dispatched_by_version[version] = st.dispatched_by_version.get(version, 0) + 1
+                    out.append(d)
+        return out
+
+    def _least_loaded(self, version: int) -> int:
+        load = self.load()
+        candidates = [i for i, v in enumerate(self.state.instance_version) if v == version] or list(range(self.n))
+        return min(candidates, key=lambda i: (load[i], i))
+
+    def done(self) -> bool:
+        return self.state.dispatched >= self.steps * self.tbs
+
+    def seals(self) -> list[tuple[int, dict[int, int]]]:
+        """Steps sealed now (see :mod:`dora_rl.streams.seals`), with their dispatched counts."""
+        st = self.state
+        steps = sealable_steps((t.version + self.S for t in st.trajs.values()), st.next_cut, st.sealed_upto,
+                               st.latest, self.S, self.tbs, self.steps, self.done())
+        if steps:
+            st.sealed_upto = steps[-1]
+        return [(c, seal_counts(st.dispatched_by_version, c, self.S)) for c in steps]

@@ -1,0 +1,198 @@
+"""The emulated engine: long-tailed, group-correlated lengths; calibrated timing; the Engine contract."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from dora_rl.producers.rollout.emulated import (
+    EmulatedEngine,
+    EmulatedParams,
+    batch_finish_times,
+    group_of,
+    planned_length,
+    planned_response,
+    sample_lengths,
+    step_time,
+)
+from dora_rl.producers.rollout.engine import GenRequest, GenResult
+
+FAST = EmulatedParams(base_step_s=1e-4, prefill_s_per_token=1e-7)
+
+
+def _req(rid: str, n: int = 512, partial: GenResult | None = None) -> GenRequest:
+    if partial is None:
+        return GenRequest(request_id=rid, prompt_ids=[5, 6, 7], max_new_tokens=n)
+    return GenRequest(request_id=rid, prompt_ids=[5, 6, 7], partial_ids=partial.token_ids,
+                      partial_logprobs=partial.logprobs, max_new_tokens=n)
+
+
+def test_length_distribution_is_long_tailed_with_a_cap_spike() -> None:
+    p = EmulatedParams()
+    lengths = sample_lengths(4000, p, 512)
+    p50, p99 = np.percentile(lengths, [50, 99])
+    assert 25 <= p50 <= 65, p50  # median_fraction 0.08 * 512 = 41
+    assert p99 / p50 >= 10
+    at_cap = float(np.mean(lengths == 512))
+    assert 0.015 <= at_cap <= 0.05, at_cap
+    assert lengths.min() >= 1 and lengths.max() == 512
+    # the cap fraction is a knob, not an accident
+    more = sample_lengths(4000, EmulatedParams(cap_fraction=0.10), 512)
+    assert 0.08 <= float(np.mean(more == 512)) <= 0.12
+    # the finish reason follows the length
+    for i in range(200):
+        n, reason = planned_length(f"g{i}/0", 512, p)
+        assert (reason == "length") == (n == 512)
+
+
+def _between_group_share(p: EmulatedParams, groups: int = 400, size: int = 8) -> float:
+    logl = np.log(sample_lengths(groups * size, p, 4096, group_size=size)).reshape(groups, size)
+    return float(np.var(logl.mean(axis=1)) / np.var(logl))
+
+
+def test_lengths_are_correlated_within_a_group() -> None:
+    correlated = _between_group_share(EmulatedParams(group_correlation=0.5))
+    independent = _between_group_share(EmulatedParams(group_correlation=0.0))
+    # expected shares: 0.5 + 0.5/8 = 0.56 vs 1/8 = 0.125
+    assert correlated > 0.4, correlated
+    assert independent < 0.2, independent
+    assert group_of("run/p7/3") == "run/p7" and group_of("solo") == "solo"
+
+
+def test_outputs_are_deterministic_in_the_seed() -> None:
+    a = planned_response("g1/0", 512, EmulatedParams(seed=1))
+    assert a == planned_response("g1/0", 512, EmulatedParams(seed=1))
+    assert a != planned_response("g1/0", 512, EmulatedParams(seed=2))
+    ids, lps, reason = a
+    assert all(3 <= t < 32000 for t in ids[:-1]) and 2 not in ids[:-1]
+    assert all(-3 <= lp < 0 for lp in lps)
+    assert (ids[-1] == 2) == (reason == "stop")
+    reqs = [_req(f"g{i // 4}/{i % 4}", 128) for i in range(8)]
+    r1 = EmulatedEngine(FAST).generate(reqs)
+    r2 = EmulatedEngine(FAST).generate(reqs)
+    assert [(r.token_ids, r.logprobs, r.finish_reason) for r in r1] == \
+        [(r.token_ids, r.logprobs, r.finish_reason) for r in r2]
+
+
+def test_step_time_is_flat_up_to_capacity_then_linear() -> None:
+    p = EmulatedParams(base_step_s=0.02, capacity=64)
+    assert step_time(0, 64, p) == 0.0
+    assert step_time(1, 64, p) == step_time(64, 64, p) == pytest.approx(0.02)
+    assert step_time(128, 64, p) == pytest.approx(0.04)
+    assert step_time(96, 64, p) == pytest.approx(0.03)
+    assert step_time(64, 32, p) == pytest.approx(0.04)  # the capacity argument wins
+    smooth = EmulatedParams(base_step_s=0.02, capacity=64, alpha=0.5)
+    assert step_time(32, 64, smooth) == pytest.approx(0.025)
+    assert step_time(64, 64, smooth) == pytest.approx(0.03)
+    assert step_time(128, 64, smooth) == pytest.approx(0.06)
+    # batch timeline: prefill 10 tokens, then 2 active for 3 steps, 1 active for 2 more
+    q = EmulatedParams(base_step_s=1.0, capacity=1, prefill_s_per_token=0.1)
+    assert batch_finish_times([3, 5, 0], 10, q) == pytest.approx([1.0 + 6.0, 1.0 + 6.0 + 2.0, 0.0])
+
+
+def test_engine_time_follows_the_model_and_finishes_in_completion_order() -> None:
+    p = EmulatedParams(base_step_s=2e-3, capacity=4, prefill_s_per_token=1e-4, median_fraction=0.1)
+    reqs = [_req(f"g{i}/0", 96) for i in range(8)]
+    lengths = [planned_length(r.request_id, 96, p)[0] for r in reqs]
+    assert len(set(lengths)) > 3
+    eng = EmulatedEngine(p)
+    order: list[str] = []
+    t0 = time.monotonic()
+    results = eng.generate(reqs, on_finish=lambda r: order.append(r.request_id))
+    wall = time.monotonic() - t0
+    expected = batch_finish_times(lengths, sum(len(r.prompt_ids) for r in reqs), p)
+    assert eng.model_time_s == pytest.approx(max(expected))
+    assert max(expected) * 0.95 <= wall <= max(expected) + 0.3, (wall, max(expected))
+    assert order == [reqs[i].request_id for i in sorted(range(8), key=lambda i: (lengths[i], i))]
+    assert [len(r.token_ids) for r in results] == lengths
+    fin = {r.request_id: r.finished_s for r in results}
+    assert [fin[rid] for rid in order] == sorted(fin[rid] for rid in order)
+    assert all(r.first_token_s <= r.finished_s for r in results)
+
+
+def test_chunks_concatenate_to_the_full_response() -> None:
+    reqs = [_req(f"g{i}/{i}", 200) for i in range(6)]
+    chunks: dict[str, list[list[int]]] = {r.request_id: [] for r in reqs}
+    lps: dict[str, list[float]] = {r.request_id: [] for r in reqs}
+
+    def on_chunk(rid: str, ids: list[int], lp: list[float]) -> None:
+        chunks[rid].append(list(ids))
+        lps[rid].extend(lp)
+
+    results = EmulatedEngine(FAST).generate(reqs, on_chunk=on_chunk, chunk_tokens=7)
+    for r in results:
+        assert [t for c in chunks[r.request_id] for t in c] == r.token_ids
+        assert lps[r.request_id] == r.logprobs
+        assert all(len(c) == 7 for c in chunks[r.request_id][:-1])
+        assert 1 <= len(chunks[r.request_id][-1]) <= 7
+        assert r.finish_reason == ("stop" if r.token_ids[-1] == 2 else "length")
+        assert r.finish_reason != "length" or len(r.token_ids) == 200
+
+
+def _long_request_id(p: EmulatedParams, n: int, at_least: int) -> str:
+    return next(f"g{i}/0" for i in range(1000) if planned_length(f"g{i}/0", n, p)[0] >= at_least)
+
+
+def test_abort_returns_partial_tokens_and_resume_is_exact() -> None:
+    rid = _long_request_id(FAST, 512, 100)
+    full = EmulatedEngine(FAST).generate([_req(rid)])[0]
+    eng = EmulatedEngine(FAST)
+
+    def on_chunk(r: str, ids: list[int], lp: list[float]) -> None:
+        eng.abort([r])  # from inside the decode loop: finishes after this chunk
+
+    part = eng.generate([_req(rid), _req("other/0", 8)], on_chunk=on_chunk, chunk_tokens=16)[0]
+    assert part.finish_reason == "abort"
+    assert part.token_ids == full.token_ids[:16] and part.logprobs == full.logprobs[:16]
+    got: list[int] = []
+    resumed = EmulatedEngine(FAST).generate([_req(rid, partial=part)],
+                                            on_chunk=lambda r, ids, lp: got.extend(ids))[0]
+    assert resumed.token_ids == full.token_ids and resumed.logprobs == full.logprobs
+    assert resumed.finish_reason == full.finish_reason
+    assert got == full.token_ids[16:]  # only the new tokens are streamed
+
+
+def test_abort_from_another_thread_is_prompt() -> None:
+    p = EmulatedParams(base_step_s=5e-3)
+    rid = _long_request_id(p, 4096, 400)  # >= 2 s uninterrupted
+    eng = EmulatedEngine(p)
+    out: list[GenResult] = []
+    th = threading.Thread(target=lambda: out.extend(eng.generate([_req(rid, 4096)], chunk_tokens=1000)))
+    t0 = time.monotonic()
+    th.start()
+    time.sleep(0.2)
+    eng.abort()
+    th.join(5)
+    assert time.monotonic() - t0 < 1.0
+    assert out[0].finish_reason == "abort"
+    assert 10 <= len(out[0].token_ids) <= 80  # ~40 steps of 5 ms in 0.2 s
+    assert out[0].token_ids == planned_response(rid, 4096, p)[0][:len(out[0].token_ids)]
+
+
+def test_edge_requests_finish_at_admission() -> None:
+    eng = EmulatedEngine(FAST)
+    eng.abort(["pre/0"])  # aborted before its generate starts
+    done = GenRequest(request_id="eos/0", prompt_ids=[4], partial_ids=[9, 2], partial_logprobs=[-1.0, -0.5],
+                      max_new_tokens=8)
+    full = GenRequest(request_id="cap/0", prompt_ids=[4], partial_ids=[9, 9], partial_logprobs=[-1.0, -1.0],
+                      max_new_tokens=2)
+    res = eng.generate([_req("pre/0"), done, full])
+    assert [r.finish_reason for r in res] == ["abort", "stop", "length"]
+    assert res[0].token_ids == [] and res[1].token_ids == [9, 2]
+    assert eng.generate([_req("pre/0", 4)])[0].finish_reason != "abort"  # the abort was consumed
+
+
+def test_params_from_dict_and_load() -> None:
+    p = EmulatedParams.from_dict({"capacity": 8, "load_s": 0.05, "time_scale": 0.5})
+    assert p.capacity == 8
+    with pytest.raises(ValueError, match="unknown EmulatedParams keys"):
+        EmulatedParams.from_dict({"capcity": 8})
+    with pytest.raises(ValueError, match="cap_fraction"):
+        EmulatedParams(cap_fraction=1.5)
+    eng = EmulatedEngine(p)
+    t0 = time.monotonic()
+    eng.load_state_dict({"anything": object()})
+    assert 0.02 <= time.monotonic() - t0 < 0.5 and eng.loads == 1
+    assert eng.model_time_s == pytest.approx(0.05) and eng.label == "emulated"
