@@ -222,9 +222,9 @@ def java_command(
 def run_kafka_tool(
     main_class: str,
     args: Sequence[str],
-    *,
     version: str = DEFAULT_KAFKA_VERSION,
     timeout: float = 120.0,
+    *,
     cache_dir: Path | str | None = None,
     input: str | None = None,
     check: bool = False,
