@@ -33,7 +33,8 @@ class DoraConfig:
 
     max_staleness: int = 0
     """S: a trajectory of version v may feed the update starting from V only if V - v <= S.
-    ``K = S + 1`` versions are live at most. Forced to 0 in sync mode."""
+    ``K = S + 1`` versions are live at most. Forced to 0 in ``sync``, at least 1 in ``one_step_off``;
+    ``partial`` enforces none (set to ``steps``: its staleness is only measured)."""
 
     steps: int = 30
     """Training steps (policy updates) to run."""
@@ -139,6 +140,9 @@ class DoraConfig:
             return dataclasses.replace(self, max_staleness=0)
         if self.mode == "one_step_off" and self.max_staleness < 1:
             return dataclasses.replace(self, max_staleness=1)
+        if self.mode == "partial" and self.max_staleness < self.steps:
+            # partial rollout bounds no staleness: it is measured, never enforced (nothing is refused)
+            return dataclasses.replace(self, max_staleness=self.steps)
         return self
 
     def to_json(self) -> str:

@@ -126,7 +126,7 @@ def stop_all(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -
 
 
 def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None = None,
-        run_id: str | None = None, quiet: bool = False) -> dict[str, Any]:
+        run_id: str | None = None, quiet: bool = False, stall_timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the whole loop; returns (and optionally writes) the summary."""
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
@@ -159,10 +159,17 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
     failed: str | None = None
     trainer_exit: float | None = None
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", disable=quiet, file=sys.stderr)
+    last_progress = time.monotonic()
     try:
         while not progress.done:
-            for env_rec in watcher.poll(0.5):
+            envs = watcher.poll(0.5)
+            for env_rec in envs:
                 progress.observe(env_rec.record)
+            if envs:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > stall_timeout_s:
+                failed = f"no progress for {stall_timeout_s:.0f}s; see {logs}"
+                break
             if len(progress.rewards) > bar.n:
                 bar.update(len(progress.rewards) - bar.n)
                 last = max(progress.rewards)

@@ -132,6 +132,7 @@ class RolloutRequest(Record):
     partial_logprobs: np.ndarray = packed(F32)
     max_new_tokens: int = 0
     dispatched_ms: int = 0
+    partial_versions: np.ndarray | None = packed(I64, optional=True)
 
 
 @dataclass(frozen=True, eq=False)

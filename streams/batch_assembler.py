@@ -16,6 +16,7 @@ second worker in the same app joins as a standby and takes over on failure.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,8 +72,10 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
                          value_serializer="raw", partitions=1)
     dlq = app.topic(topics.DLQ, key_serializer="raw", value_serializer="raw", partitions=1)
     metrics = app.topic(topics.METRICS, key_serializer="raw", value_serializer="raw", partitions=1)
+    # use_partitioner: the seal agent (1-partition source) also deletes keys, so the changelog partition
+    # comes from the key, not from the source event's partition
     pending = app.Table("pending", default=None, key_type=bytes, value_type=bytes,  # bytes => raw codec
-                        partitions=config.num_partitions)
+                        partitions=config.num_partitions, use_partitioner=True)
 
     batches_start = {p: o for (t, p), o in start_offsets.items() if t == topics.BATCHES}
     scored_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCORED}
@@ -131,6 +134,21 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
 
     @app.agent(scored)
     async def assemble(stream: Any) -> None:
+        try:
+            await _assemble(stream)
+        except Exception:  # an agent crash must end the worker, never leave it running idle
+            log.exception("assembler agent crashed")
+            os._exit(3)
+
+    @app.agent(schedule)
+    async def seals(stream: Any) -> None:
+        try:
+            await _seals(stream)
+        except Exception:
+            log.exception("seal agent crashed")
+            os._exit(3)
+
+    async def _assemble(stream: Any) -> None:
         async for event in stream.events():
             msg = event.message
             if msg.offset < scored_start.get(msg.partition, 0):
@@ -150,8 +168,7 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             pending[traj.trajectory_id.encode()] = event.value
             await try_cut(event)
 
-    @app.agent(schedule)
-    async def seals(stream: Any) -> None:
+    async def _seals(stream: Any) -> None:
         async for event in stream.events():
             if event.message.offset < schedule_start.get(event.message.partition, 0):
                 continue

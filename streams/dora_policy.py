@@ -284,3 +284,54 @@ class DoraScheduler(Generic[P]):
         if steps:
             st.sealed_upto = steps[-1]
         return [(c, seal_counts(st.dispatched_by_version, c, self.S)) for c in steps]
+
+
+class PartialScheduler(DoraScheduler[P]):
+    """The partial-rollout baseline: over-provision, abort stragglers, resume under new weights.
+
+    All instances always hold the newest version. When version ``V`` is published every
+    trajectory still decoding under an older version is cancelled and resumed on an instance
+    holding ``V`` from its partial tokens, so one trajectory mixes versions (breaks C1 by design;
+    per-token versions are recorded). No staleness window applies to dispatch: a trajectory's
+    staleness is counted from its *first* token's version and is only measured.
+    """
+
+    def __init__(self, config: DoraConfig) -> None:
+        super().__init__(config)
+        self.token_versions: dict[str, list[tuple[int, int]]] = {}  # tid -> [(version, tokens before)]
+
+    def feasible(self, version: int, n: int) -> bool:
+        st = self.state
+        return (version == st.latest and self.unconsumed() + n <= self.rbs
+                and st.dispatched + n <= self.steps * self.tbs)
+
+    def repartition(self) -> list[Cancel]:
+        self.repartitions += 1
+        latest = self.state.latest
+        cancels: dict[int, list[str]] = {}
+        for tid, t in self.state.trajs.items():
+            if not t.done and t.instance >= 0 and t.version < latest:
+                cancels.setdefault(t.instance, []).append(tid)
+                self.state.migrating[tid] = t.version
+                t.instance = -1
+        self.state.instance_version = [latest] * self.n
+        out = [Cancel(i, tuple(tids)) for i, tids in sorted(cancels.items())]
+        self.cancels.extend(out)
+        return out
+
+    def on_aborted(self, trajectory_id: str, partial: Any) -> None:
+        old = self.state.migrating.pop(trajectory_id, None)
+        t = self.state.trajs.get(trajectory_id)
+        if old is None or t is None or t.done:
+            return
+        t.version = self.state.latest  # resumed under the newest weights
+        self._resume.append((Migration(trajectory_id, self.state.latest, partial), self.state.latest))
+
+    def seals(self) -> list[tuple[int, dict[int, int]]]:
+        """Step ``c`` is sealed once version ``c`` exists (no deadline bookkeeping: nothing to wait for)."""
+        st = self.state
+        out: list[tuple[int, dict[int, int]]] = []
+        while st.sealed_upto + 1 < self.steps and (st.latest >= st.sealed_upto + 1 or self.done()):
+            st.sealed_upto += 1
+            out.append((st.sealed_upto, {}))
+        return out

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
@@ -42,6 +44,10 @@ def make_scheduler(config: DoraConfig) -> Any:
         from .dora_policy import DoraScheduler
 
         return DoraScheduler(config)
+    if config.mode == "partial":
+        from .dora_policy import PartialScheduler
+
+        return PartialScheduler(config)
     return Scheduler(config.mode, config.train_batch_size, config.group_size, config.steps,
                      config.num_instances, config.max_staleness)
 
@@ -66,11 +72,12 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
     inputs: dict[str, type[Any]] = {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion,
                                     topics.TRAJECTORIES: Trajectory, topics.BATCHES: TrainBatch,
                                     topics.REQUESTS: RolloutRequest}
-    if config.mode == "dora":
+    if config.mode in ("dora", "partial"):
         inputs[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
     consumer = RunConsumer(bootstrap, run_id, COMPONENT, inputs, dlq, start_offsets, group_suffix=f".{now_ms()}")
     scheduler = make_scheduler(config)
     requests: dict[str, RolloutRequest] = {}
+    segments: dict[str, list[int]] = {}  # partial mode: version of every token generated so far
     already: set[str] = set()
     sched_s = 0.0
     consumed_steps = 0
@@ -111,9 +118,16 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                 scheduler.cancels.clear()
                 for mig, target in scheduler.resumes():
                     chunk: TokenChunk = mig.partial
-                    req = requests[mig.trajectory_id].replace(
+                    prev = requests[mig.trajectory_id]
+                    extra: dict[str, Any] = {}
+                    if config.mode == "partial":
+                        tv = segments.setdefault(mig.trajectory_id, [])
+                        tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
+                        extra = {"policy_version": mig.version, "partial_versions": np.asarray(tv, dtype=np.int64)}
+                    req = prev.replace(
                         instance_id=f"rollout-{target}", action="GENERATE", partial_ids=chunk.token_ids,
-                        partial_logprobs=chunk.logprobs, dispatched_ms=now_ms())
+                        partial_logprobs=chunk.logprobs, dispatched_ms=now_ms(), **extra)
+                    requests[mig.trajectory_id] = req
                     producer.send(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
                     out += 1
             for step, counts in scheduler.seals():

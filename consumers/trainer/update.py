@@ -45,11 +45,36 @@ def compute_advantages(samples: Sequence[Sample], loss: str = "grpo") -> torch.T
     return rewards - means[index]
 
 
+def length_buckets(samples: Sequence[Sample], index: list[int], micro_tokens: int) -> list[list[int]]:
+    """``index`` split into micro-batches of similar length, each with at most ``micro_tokens``
+    padded tokens (rows x longest row), longest first; a row longer than the budget is alone."""
+    order = sorted(range(len(samples)), key=lambda j: -(len(samples[j].prompt_ids) + len(samples[j].response_ids)))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    width = 0
+    for j in order:
+        w = len(samples[j].prompt_ids) + len(samples[j].response_ids)
+        if cur and max(width, w) * (len(cur) + 1) > micro_tokens:
+            out.append(cur)
+            cur, width = [], 0
+        cur.append(index[j])
+        width = max(width, w)
+    if cur:
+        out.append(cur)
+    return out
+
+
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
                   *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = None,
                   ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
-                  seed: int = 0) -> dict[str, float]:
-    """Apply one training step on ``samples``; returns statistics."""
+                  seed: int = 0, micro_tokens: int = 8192) -> dict[str, float]:
+    """Apply one training step on ``samples``; returns statistics.
+
+    Each optimizer step's sequences are sorted by length and cut into micro-batches of at most
+    ``micro_tokens`` padded tokens whose gradients accumulate (long-tailed lengths would
+    otherwise pad every row to the longest one); the loss is normalised by the optimizer step's
+    total response tokens, so the result equals one big batch up to float rounding.
+    """
     t0 = time.perf_counter()
     samples = [s for s in samples if len(s.response_ids) > 0]
     if not samples:
@@ -64,25 +89,33 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
         for chunk in np.array_split(order, minibatches):
             if len(chunk) == 0:
                 continue
-            mb = [samples[i] for i in chunk]
-            new_logp, mask = sequence_logprobs(model, [s.prompt_ids for s in mb], [s.response_ids for s in mb],
-                                               temperature=temperature, pad_id=pad_id)
-            beh = torch.zeros_like(new_logp)
-            for row, s in enumerate(mb):
-                beh[row, : len(s.behaviour_logprobs)] = torch.as_tensor(
-                    np.asarray(s.behaviour_logprobs, dtype=np.float32))
-            loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(chunk)], mask, clip_eps, tis_cap)
+            mb_tokens = float(sum(len(samples[i].response_ids) for i in chunk))
             optimizer.zero_grad(set_to_none=True)
-            loss_t.backward()
+            total = 0.0
+            for micro in length_buckets([samples[i] for i in chunk], list(chunk), micro_tokens):
+                mb = [samples[i] for i in micro]
+                new_logp, mask = sequence_logprobs(model, [s.prompt_ids for s in mb],
+                                                   [s.response_ids for s in mb], temperature=temperature,
+                                                   pad_id=pad_id)
+                beh = torch.zeros_like(new_logp)
+                for row, s in enumerate(mb):
+                    beh[row, : len(s.behaviour_logprobs)] = torch.as_tensor(
+                        np.asarray(s.behaviour_logprobs, dtype=np.float32))
+                loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)], mask, clip_eps, tis_cap,
+                                           num_tokens=mb_tokens)
+                loss_t.backward()  # gradients accumulate: the sum over micro-batches is the token mean
+                total += float(loss_t.detach())
+                w = float(mask.sum()) / mb_tokens
+                for k, v in st.items():
+                    stats_acc.setdefault(k, []).append(float(v) * w)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            st = dict(st)
-            st["loss"] = float(loss_t.detach())
-            st["grad_norm"] = float(gnorm)
-            for k, v in st.items():
-                stats_acc.setdefault(k, []).append(float(v))
+            stats_acc.setdefault("loss", []).append(total)
+            stats_acc.setdefault("grad_norm", []).append(float(gnorm))
     model.eval()
-    out = {k: float(np.mean(v)) for k, v in stats_acc.items()}
+    steps_taken = ppo_epochs * min(minibatches, n)
+    out = {k: float(np.sum(v) / steps_taken) if k not in ("loss", "grad_norm") else float(np.mean(v))
+           for k, v in stats_acc.items()}
     rewards = np.array([s.reward for s in samples])
     out["reward_mean"] = float(rewards.mean())
     out["reward_std"] = float(rewards.std())

@@ -157,10 +157,17 @@ class Instance:
         if res.finish_reason == "abort":
             self.aborted(req, list(res.token_ids), list(res.logprobs))
         else:
+            tv: np.ndarray | None = None
+            version = int(req.policy_version)
+            if req.partial_versions is not None:  # partial-rollout baseline: tokens of several versions
+                n_new = len(res.token_ids) - len(req.partial_ids)
+                tv = np.concatenate([np.asarray(req.partial_versions, dtype=np.int64),
+                                     np.full(n_new, self.held, dtype=np.int64)])
+                version = int(tv.min()) if len(tv) else version
             traj = Trajectory(
                 run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id, prompt_id=req.prompt_id,
-                sample_index=req.sample_index, group_size=req.group_size, policy_version=req.policy_version,
-                task=req.task, reference=req.reference, prompt_ids=req.prompt_ids,
+                sample_index=req.sample_index, group_size=req.group_size, policy_version=version,
+                task=req.task, reference=req.reference, prompt_ids=req.prompt_ids, token_versions=tv,
                 response_ids=np.asarray(res.token_ids, dtype=np.int32),
                 behaviour_logprobs=np.asarray(res.logprobs, dtype=np.float32),
                 response_text=self.decode(list(res.token_ids)), finish_reason=FINISH[res.finish_reason],
