@@ -151,6 +151,10 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
     for i in range(config.num_instances):
         procs[f"rollout-{i}"] = spawn("rollout", bootstrap, info.run_id, logs, env, i)
 
+    def on_term(signum: int, frame: object) -> None:  # a killed launcher must not orphan its roles
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     producer = RecordProducer(bootstrap, f"run-{info.run_id}")
     watcher = RunConsumer(bootstrap, info.run_id, "launcher", {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
                           DeadLetters(producer, "launcher", info.run_id), offsets_map(info),
@@ -162,13 +166,13 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
     last_progress = time.monotonic()
     try:
         while not progress.done:
-            envs = watcher.poll(0.5)
-            for env_rec in envs:
+            seen_steps = len(progress.rewards)
+            for env_rec in watcher.poll(0.5):
                 progress.observe(env_rec.record)
-            if envs:
+            if len(progress.rewards) > seen_steps or progress.version0_ms is None:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > stall_timeout_s:
-                failed = f"no progress for {stall_timeout_s:.0f}s; see {logs}"
+                failed = f"no training step for {stall_timeout_s:.0f}s; see {logs}"
                 break
             if len(progress.rewards) > bar.n:
                 bar.update(len(progress.rewards) - bar.n)
@@ -191,6 +195,7 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
         bar.close()
         watcher.close()
         stop_all(procs)
+        signal.signal(signal.SIGTERM, previous)
     steps_done = len(progress.rewards)
     reward_per_step = [progress.rewards[k] for k in sorted(progress.rewards)]
     trained = float(sum(progress.tokens.values()))

@@ -122,13 +122,20 @@ class DoraScheduler(Generic[P]):
         for tid in trajectory_ids:
             self.state.trajs.pop(tid, None)
 
-    def on_aborted(self, trajectory_id: str, partial: Any) -> None:
-        """A cancelled trajectory's partial response arrived: queue it for an instance of its version."""
-        version = self.state.migrating.pop(trajectory_id, None)
+    def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
+        """A trajectory's partial response came back (it runs nowhere now): queue its resumption.
+
+        Expected after a cancel; an unexpected one (the instance gave it up) is resumed too, when it
+        comes from the instance the trajectory is placed on. Anything else is a stale duplicate.
+        """
+        expected = self.state.migrating.pop(trajectory_id, None)
         t = self.state.trajs.get(trajectory_id)
-        if version is None or t is None or t.done:
+        if t is None or t.done:
             return
-        self._resume.append((Migration(trajectory_id, version, partial), t.version))
+        if expected is None and (instance is None or t.instance != instance):
+            return
+        t.instance = -1
+        self._resume.append((Migration(trajectory_id, t.version, partial), t.version))
 
     # -- rules ------------------------------------------------------------------------------------
 
@@ -229,19 +236,27 @@ class DoraScheduler(Generic[P]):
         slots = [(i, self.capacity - load[i]) for i, v in enumerate(self.state.instance_version) if v == version]
         return sorted([s for s in slots if s[1] > 0], key=lambda s: (-s[1], s[0]))
 
+    def resume_version(self, trajectory_id: str) -> int:
+        """Version a migrating trajectory resumes under: its own (C1)."""
+        return self.state.trajs[trajectory_id].version
+
     def resumes(self) -> list[tuple[Migration, int]]:
-        """Migrations that can be placed now: (migration, target instance of the same version)."""
+        """Migrations that can be placed now: (migration, target instance holding its resume version)."""
         out: list[tuple[Migration, int]] = []
         keep: deque[tuple[Migration, int]] = deque()
         while self._resume:
-            mig, version = self._resume.popleft()
+            mig, _ = self._resume.popleft()
+            t = self.state.trajs.get(mig.trajectory_id)
+            if t is None or t.done:
+                continue
+            version = self.resume_version(mig.trajectory_id)
             slots = self._free_slots(version)
             if not slots:
                 keep.append((mig, version))
                 continue
             target = slots[0][0]
-            self.state.trajs[mig.trajectory_id].instance = target
-            out.append((mig, target))
+            t.version, t.instance = version, target
+            out.append((Migration(mig.trajectory_id, version, mig.partial), target))
         self._resume = keep
         return out
 
@@ -309,7 +324,7 @@ class PartialScheduler(DoraScheduler[P]):
         self.repartitions += 1
         latest = self.state.latest
         cancels: dict[int, list[str]] = {}
-        for tid, t in self.state.trajs.items():
+        for tid, t in self.state.trajs.items():  # placed ones only: queued resumes take the newest version
             if not t.done and t.instance >= 0 and t.version < latest:
                 cancels.setdefault(t.instance, []).append(tid)
                 self.state.migrating[tid] = t.version
@@ -319,13 +334,9 @@ class PartialScheduler(DoraScheduler[P]):
         self.cancels.extend(out)
         return out
 
-    def on_aborted(self, trajectory_id: str, partial: Any) -> None:
-        old = self.state.migrating.pop(trajectory_id, None)
-        t = self.state.trajs.get(trajectory_id)
-        if old is None or t is None or t.done:
-            return
-        t.version = self.state.latest  # resumed under the newest weights
-        self._resume.append((Migration(trajectory_id, self.state.latest, partial), self.state.latest))
+    def resume_version(self, trajectory_id: str) -> int:
+        """Partial rollout resumes under the newest weights, whatever version began it."""
+        return self.state.latest
 
     def seals(self) -> list[tuple[int, dict[int, int]]]:
         """Step ``c`` is sealed once version ``c`` exists (no deadline bookkeeping: nothing to wait for)."""

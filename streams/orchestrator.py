@@ -100,7 +100,7 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                 elif env.topic == topics.REQUESTS:
                     already.add(rec.group_id)  # dispatched by an earlier incarnation
                 elif env.topic == topics.TOKENS and rec.aborted:
-                    scheduler.on_aborted(rec.trajectory_id, rec)
+                    scheduler.on_aborted(rec.trajectory_id, rec, int(rec.instance_id.rsplit("-", 1)[-1]))
             out = 0
             for d in scheduler.dispatch():
                 req = request_for(run_id, d, config)
@@ -142,5 +142,18 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
             if scheduler.done() and consumed_steps >= config.steps:
                 break
     finally:
+        log.info("orchestrator stopping: %s", describe(scheduler))
         producer.flush()
         consumer.close()
+
+
+def describe(scheduler: Any) -> str:
+    """One line of scheduler state for the log (what is in flight, migrating, queued)."""
+    st = scheduler.state
+    if hasattr(st, "trajs"):
+        undone = [tid for tid, t in st.trajs.items() if not t.done]
+        return (f"latest={st.latest} next_cut={st.next_cut} sealed={st.sealed_upto} dispatched={st.dispatched} "
+                f"unconsumed={len(st.trajs)} in_flight={len(undone)} migrating={len(st.migrating)} "
+                f"resume_queue={len(scheduler._resume)} load={scheduler.load()} instances={st.instance_version} "
+                f"stuck={[(t, st.trajs[t].version, st.trajs[t].instance) for t in undone[:4]]}")
+    return f"latest={st.latest_version} waves={st.waves_dispatched} consumed={st.consumed_steps}"

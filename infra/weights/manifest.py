@@ -22,14 +22,16 @@ cross ``bucket_bytes``; a tensor larger than ``bucket_bytes`` gets a bucket of i
 
 from __future__ import annotations
 
+import itertools
 import math
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
+
+from .checksum import checksum, default_checksum_algo, new_hasher
 
 ALIGN = 64
 """Byte alignment of every tensor inside its bucket (a cache line; enough for any dtype)."""
@@ -65,65 +67,6 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r} in weight manifest") from None
-
-
-# --------------------------------------------------------------------------------------------- checksums
-
-
-class Hasher(Protocol):
-    """Streaming checksum: ``update`` over consecutive byte ranges equals one pass over their concatenation."""
-
-    def update(self, data: Any) -> None: ...
-
-    def hexdigest(self) -> str: ...
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self._v = 0
-
-    def update(self, data: Any) -> None:
-        self._v = zlib.crc32(data, self._v)
-
-    def hexdigest(self) -> str:
-        return f"{self._v:08x}"
-
-
-def _have_xxhash() -> bool:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def default_checksum_algo() -> str:
-    """``xxh3_64`` when ``xxhash`` is importable (fast), else ``crc32``."""
-    return "xxh3_64" if _have_xxhash() else "crc32"
-
-
-def new_hasher(algo: str) -> Hasher:
-    """A fresh streaming hasher for ``algo`` (``xxh3_64`` or ``crc32``)."""
-    if algo == "crc32":
-        return _Crc32()
-    if algo == "xxh3_64":
-        try:
-            import xxhash
-        except ImportError:
-            raise RuntimeError(
-                "this manifest uses checksum 'xxh3_64' but the xxhash package is not installed "
-                "(pip install xxhash)"
-            ) from None
-        h: Hasher = xxhash.xxh3_64()
-        return h
-    raise ValueError(f"unknown checksum algorithm {algo!r} (xxh3_64 or crc32)")
-
-
-def checksum(algo: str, data: Any) -> str:
-    """Hex digest of ``data`` (any buffer) under ``algo``."""
-    h = new_hasher(algo)
-    h.update(data)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------- dataclasses
@@ -210,7 +153,9 @@ class WeightManifest:
         """Raise ``ValueError`` unless every invariant of the module docstring holds."""
         for i, b in enumerate(self.buckets):
             if b.index != i or b.nbytes < 0:
-                raise ValueError(f"manifest v{self.version}: bucket #{i} has index {b.index}, nbytes {b.nbytes}")
+                raise ValueError(
+                    f"manifest v{self.version}: bucket #{i} has index {b.index}, nbytes {b.nbytes}"
+                )
         if sum(b.nbytes for b in self.buckets) != self.total_bytes:
             raise ValueError(f"manifest v{self.version}: total_bytes does not match the buckets")
         names: set[str] = set()
@@ -225,13 +170,15 @@ class WeightManifest:
             if not 0 <= t.bucket < len(self.buckets):
                 raise ValueError(f"manifest v{self.version}: {t.name!r} points at missing bucket {t.bucket}")
             if t.offset < 0 or t.offset % ALIGN or t.offset + t.nbytes > self.buckets[t.bucket].nbytes:
-                raise ValueError(f"manifest v{self.version}: {t.name!r} lies outside its bucket or is unaligned")
+                raise ValueError(
+                    f"manifest v{self.version}: {t.name!r} lies outside its bucket or is unaligned"
+                )
             key = (t.bucket, t.offset)
             if key in regions and regions[key] != t.nbytes:
                 raise ValueError(f"manifest v{self.version}: {t.name!r} partially overlaps another tensor")
             regions[key] = t.nbytes
         spans = sorted((bk, o, n) for (bk, o), n in regions.items())
-        for (b1, o1, n1), (b2, o2, _) in zip(spans, spans[1:], strict=False):
+        for (b1, o1, n1), (b2, o2, _) in itertools.pairwise(spans):
             if b1 == b2 and o1 + n1 > o2:
                 raise ValueError(f"manifest v{self.version}: overlapping tensors in bucket {b1}")
 
@@ -276,15 +223,15 @@ def pack_state_dict(
     *,
     version: int = 0,
     checksum_algo: str | None = None,
-    out: Sequence[np.ndarray] | None = None,
+    alloc: Callable[[list[int]], Sequence[np.ndarray] | None] | None = None,
 ) -> tuple[WeightManifest, list[np.ndarray]]:
     """Copy ``state_dict`` into contiguous uint8 buckets and describe them.
 
     One copy per tensor (the snapshot the holder serves while the trainer moves on); tensors that
     share storage, shape, stride and offset (tied weights) are stored once. Returns the manifest and
-    the bucket buffers (``buckets[i].nbytes == manifest.buckets[i].nbytes``). ``out`` reuses earlier
-    bucket buffers of exactly those sizes (a retired version's): first-touch page faults of fresh memory
-    cost ~0.5-2 s per GB on this VM, several times the copy itself.
+    the bucket buffers (``buckets[i].nbytes == manifest.buckets[i].nbytes``). ``alloc(sizes)`` may
+    return earlier buffers of exactly those sizes (a retired version's) to pack into instead of fresh
+    memory (None: fresh): first-touch page faults cost ~0.5-2 s per GB on this VM, more than the copy.
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
@@ -301,7 +248,13 @@ def pack_state_dict(
         if t.device.type != "cpu":
             t = t.cpu()
         nbytes = t.numel() * t.element_size()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = (
+            t.untyped_storage().data_ptr(),
+            int(t.storage_offset()),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+        )
         if nbytes and key in seen:
             b, off = seen[key]
             entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), b, off, nbytes))
@@ -319,8 +272,9 @@ def pack_state_dict(
     if not layout[-1] and len(layout) > 1:
         layout.pop()
         sizes.pop()
-    if out is not None and [memoryview(o).nbytes for o in out] != sizes:
-        raise ValueError("pack_state_dict: the `out` buffers do not match the bucket sizes")
+    out = alloc(list(sizes)) if alloc is not None else None
+    if out is not None and [o.nbytes for o in out] != sizes:
+        raise ValueError("pack_state_dict: the buffers from `alloc` do not match the bucket sizes")
     buffers: list[np.ndarray] = []
     bucket_entries: list[BucketEntry] = []
     for b, items in enumerate(layout):
@@ -368,7 +322,8 @@ def check_target(manifest: WeightManifest, target: Mapping[str, torch.Tensor], s
         t = target[e.name]
         if tuple(t.shape) != e.shape or t.dtype != torch_dtype(e.dtype):
             raise ValueError(
-                f"{e.name}: target is {tuple(t.shape)} {t.dtype}, version {manifest.version} has {e.shape} {e.dtype}"
+                f"{e.name}: target is {tuple(t.shape)} {t.dtype}, "
+                f"version {manifest.version} has {e.shape} {e.dtype}"
             )
 
 

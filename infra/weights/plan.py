@@ -24,14 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .checksum import Hasher, new_hasher
 from .manifest import (
-    Hasher,
     TensorEntry,
     WeightManifest,
     alloc_bytes,
     check_target,
     dtype_name,
-    new_hasher,
     tensor_bytes,
     unpack_into,
     view_tensor,
@@ -117,9 +116,9 @@ class ReceivePlan:
                 dest = None
                 if s.direct:
                     off, _n, names = regions[bisect.bisect_right(offsets, s.start) - 1]
-                    t = into[names[0]]
-                    if t.device.type == "cpu" and t.is_contiguous():
-                        dest = tensor_bytes(t)[s.start - off : s.end - off]
+                    tgt = into[names[0]]
+                    if tgt.device.type == "cpu" and tgt.is_contiguous():
+                        dest = tensor_bytes(tgt)[s.start - off : s.end - off]
                 if dest is None:
                     dest = alloc_bytes(s.nbytes)
                     self._bounce.setdefault(b, []).append((s, dest))

@@ -6,12 +6,14 @@ small JSON control messages framed as ``MAGIC(4) | length(4, big-endian) | UTF-8
 differ in how the bulk segments move (in-band on the same socket for ``tcp``, UCX tag messages
 for ``ucx``).
 
-Request ``{"proto": 1, "token": str, "op": "status" | "fetch", "version": int, "buckets": [int],
-...transport fields}``. Reply ``{"ok": false, "error": str}`` (nothing else follows), or for
+Request ``{"proto": 1, "token": str, "op": "status" | "fetch" | "bye", "version": int,
+"buckets": [int], ...transport fields}`` (``bye``: a fetcher leaving, so the holder drops what it
+caches for it). Reply ``{"ok": false, "error": str}`` (nothing else follows), or for
 ``status`` ``{"ok": true, "active_transfers": int, "versions": [int]}``, or for ``fetch``
-``{"ok": true, "version": int, "buckets": [int]}`` followed by the segments of those buckets in order
-and a trailer ``{"done": true, "bytes": int}``. A holder checks the token before anything else and
-sends no weight byte to a wrong one.
+``{"ok": true, "version": int, "buckets": [int]}``; the fetcher checks that reply and answers
+``{"go": true}`` (or hangs up: it refused), then the holder sends the segments of those buckets in
+order and a trailer ``{"done": true, "bytes": int}``. A holder checks the token before anything else
+and sends no weight byte to a wrong token, nor before ``go``.
 """
 
 from __future__ import annotations
@@ -132,14 +134,17 @@ class BulkConn(Protocol):
     def request_extras(self) -> dict[str, Any]:
         """Fetcher side: transport fields to add to a fetch request (how the holder reaches us)."""
 
-    def accept_extras(self, request: Mapping[str, Any]) -> None:
-        """Holder side, after the token check: set up the bulk path from the request's fields."""
+    def accept_extras(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Holder side, after the token check: set up the bulk path; returns fields for the reply."""
+
+    def forget(self, request: Mapping[str, Any]) -> None:
+        """Holder side: drop per-fetcher state (cached endpoints) of the fetcher saying ``bye``."""
 
     def send_segments(self, bufs: Sequence[Any]) -> int:
         """Holder side: send the buffers in order; returns the bytes sent."""
 
     def recv_segments(self, dests: Sequence[np.ndarray], on_done: Callable[[int], None]) -> None:
-        """Fetcher side: receive segment ``i`` into ``dests[i]`` in order, calling ``on_done(i)`` after each."""
+        """Fetcher side: receive segment ``i`` into ``dests[i]``, in order; ``on_done(i)`` after each."""
 
     def abort(self) -> None:
         """Drop the connection at once (a holder dying mid-stream, in tests)."""

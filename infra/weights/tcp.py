@@ -24,6 +24,7 @@ import numpy as np
 from .protocol import (
     BulkConn,
     HolderFailed,
+    WeightChannelError,
     parse_address,
     recv_control,
     recv_exact,
@@ -54,7 +55,10 @@ class TcpConn:
     def request_extras(self) -> dict[str, Any]:
         return {}
 
-    def accept_extras(self, request: Mapping[str, Any]) -> None:
+    def accept_extras(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def forget(self, request: Mapping[str, Any]) -> None:
         return None
 
     def send_segments(self, bufs: Sequence[Any]) -> int:
@@ -70,7 +74,7 @@ class TcpConn:
 
     def recv_segments(self, dests: Sequence[np.ndarray], on_done: Callable[[int], None]) -> None:
         for i, d in enumerate(dests):
-            recv_exact(self.sock, memoryview(d).cast("B"))
+            recv_exact(self.sock, d.data.cast("B"))
             on_done(i)
 
     def abort(self) -> None:
@@ -136,6 +140,8 @@ class TcpListener:
     def _run(self, conn: TcpConn) -> None:
         try:
             self._handler(conn)
+        except WeightChannelError as e:  # a fetcher that went away, a garbled request: expected
+            log.warning("weight session with %s ended: %s", conn.peer, e)
         except Exception:
             log.exception("weight session with %s failed", conn.peer)
         finally:

@@ -348,6 +348,8 @@ class EmulatedEngine:
         wall_minus_mono = time.time() - time.monotonic()
 
         def finish(s: _Seq, reason: FinishReason) -> None:
+            with self._abort_lock:  # an id is aborted once: a later request with it (a resume) runs
+                self._abort_ids.discard(s.req.request_id)
             if s.pos > s.reported and on_chunk is not None:
                 on_chunk(s.req.request_id, s.new_ids[s.reported:s.pos], s.new_lps[s.reported:s.pos])
             s.reported = s.pos

@@ -1,0 +1,35 @@
+"""Out-of-band policy weight channel: packed buckets with checksums, served by holders over UCX or TCP.
+
+Kafka carries only the announcement (``WeightManifest.to_dict()``); bytes move through
+:func:`make_weight_server` / :func:`make_weight_client` (``kind`` = ``"ucx"`` or ``"tcp"``).
+"""
+
+from .channel import FetchStats, WeightClient, WeightServer, make_weight_client, make_weight_server
+from .manifest import BucketEntry, TensorEntry, WeightManifest, pack_state_dict, unpack_into
+from .protocol import (
+    HolderFailed,
+    HolderRefused,
+    TransportUnavailableError,
+    WeightChannelError,
+    WeightFetchError,
+)
+from .store import FaultInjection
+
+__all__ = [
+    "BucketEntry",
+    "FaultInjection",
+    "FetchStats",
+    "HolderFailed",
+    "HolderRefused",
+    "TensorEntry",
+    "TransportUnavailableError",
+    "WeightChannelError",
+    "WeightClient",
+    "WeightFetchError",
+    "WeightManifest",
+    "WeightServer",
+    "make_weight_client",
+    "make_weight_server",
+    "pack_state_dict",
+    "unpack_into",
+]
