@@ -68,7 +68,7 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
         TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason",
                   {"retention.ms": str(30 * DAY_MS), "max.message.bytes": str(BATCH_MAX_BYTES)}),
         TopicSpec(METRICS, 1, "dora.v1.Metric", "numeric monitoring events", {"retention.ms": week}),
-        TopicSpec(SCHEDULE, 1, "dora.v1.StepSeal", "step seals: what each batch must contain (orchestrator -> assembler)",
+        TopicSpec(SCHEDULE, 1, "dora.v1.BatchPlan", "batch plans: which trajectories form each batch (orchestrator -> assembler)",
                   {"retention.ms": week}),
         TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle (compacted by run)",
                   {"cleanup.policy": "compact", "max.message.bytes": str(8 * 1024 * 1024)}),

@@ -42,7 +42,7 @@ SCHEMA_FILES: dict[str, str] = {
     "dora.v1.DeadLetter": "dead_letter.avsc",
     "dora.v1.Metric": "metric.avsc",
     "dora.v1.RunInfo": "run_info.avsc",
-    "dora.v1.StepSeal": "step_seal.avsc",
+    "dora.v1.BatchPlan": "batch_plan.avsc",
 }
 
 

@@ -332,23 +332,19 @@ class RunInfo(Record):
 
 
 @dataclass(frozen=True)
-class StepSeal(Record):
+class BatchPlan(Record):
     """Written by the orchestrator; read by the batch assembler. Topic ``dora.schedule``."""
 
-    SCHEMA: ClassVar[str] = "dora.v1.StepSeal"
+    SCHEMA: ClassVar[str] = "dora.v1.BatchPlan"
     run_id: str
     train_step: int
-    dispatched_by_version: dict[str, int]
+    trajectory_ids: tuple[str, ...]
     ts_ms: int
-
-    def counts(self) -> dict[int, int]:
-        """``{version: dispatched}`` with integer versions."""
-        return {int(k): int(v) for k, v in self.dispatched_by_version.items()}
 
 
 #: Every top-level record class by schema name.
 RECORDS: dict[str, type[Record]] = {
     cls.SCHEMA: cls
     for cls in (Prompt, RolloutRequest, TokenChunk, Trajectory, InstanceStatus, PolicyVersion,
-                TrainBatch, DeadLetter, Metric, RunInfo, StepSeal)
+                TrainBatch, DeadLetter, Metric, RunInfo, BatchPlan)
 }

@@ -27,7 +27,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import now_ms, read_all
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import DeadLetter, Metric, StepSeal, TrainBatch, Trajectory
+from dora_rl.schemas.records import DeadLetter, Metric, BatchPlan, TrainBatch, Trajectory
 
 from .batching import BatchAssembler
 
@@ -116,6 +116,9 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
                          f"{bad.policy_version} for step {asm.next_step} (S={config.max_staleness})", "stale")
             pending.pop(bad.trajectory_id.encode(), None)
         while (cut := asm.cut()) is not None:
+            for problem in asm.violations(cut):  # never in a correct run: the safety gate
+                state["refused"] += 1
+                await refuse(event, f"batch {cut.train_step}: {problem}", "batch")
             batch = TrainBatch(run_id=run_id, batch_id=f"{run_id}/step{cut.train_step}",
                                train_step=cut.train_step, base_version=cut.train_step,
                                max_staleness=config.max_staleness, created_ms=now_ms(),
@@ -145,7 +148,7 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
         try:
             await _seals(stream)
         except Exception:
-            log.exception("seal agent crashed")
+            log.exception("plan agent crashed")
             os._exit(3)
 
     async def _assemble(stream: Any) -> None:
@@ -173,13 +176,13 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             if event.message.offset < schedule_start.get(event.message.partition, 0):
                 continue
             try:
-                seal = StepSeal.decode(event.value, _headers(event))
+                plan = BatchPlan.decode(event.value, _headers(event))
             except DecodeError as exc:
                 await refuse(event, str(exc), exc.error_type)
                 continue
-            if seal.run_id != run_id:
+            if plan.run_id != run_id:
                 continue
-            assembler().on_seal(int(seal.train_step), seal.counts())
+            assembler().on_plan(int(plan.train_step), plan.trajectory_ids)
             await try_cut(event)
 
     return app

@@ -17,12 +17,11 @@ Rules, for each batch in step order:
 4. **Order.** Groups containing the oldest version go first (so no version outlives its window),
    then completion order (the order in which groups became complete).
 
-5. **Seals.** The batch of step ``k`` is cut only after the orchestrator's *seal* of ``k``
-   (:class:`~dora_rl.schemas.records.StepSeal`): the promise that no trajectory with deadline
-   ``v + S <= k`` will be dispatched any more, with the final count dispatched per such version.
-   The cut waits until every one of those trajectories has arrived; they are then the first in
-   the batch (rule 4), so no dispatched trajectory can miss its deadline. The orchestrator's
-   feasibility rule guarantees they fit in TBS.
+5. **Plans.** In the running system the orchestrator decides each batch's exact members
+   (:class:`~dora_rl.schemas.records.BatchPlan`, earliest deadline first, see
+   :mod:`dora_rl.streams.planning`); the assembler then cuts batch ``k`` from its plan once every
+   planned trajectory has arrived, re-checking rules 1–3 as a safety gate. Without plans
+   (``require_plans=False``) it applies rules 1–4 greedily on its own.
 
 The assembler never holds a group back when it is eligible and the batch is not full, so every
 complete, non-refused group ends in exactly one batch (C2).
@@ -71,7 +70,7 @@ class BatchAssembler:
     """Buffers trajectories into complete groups and cuts batches under the staleness gate."""
 
     def __init__(self, train_batch_size: int, group_size: int, max_staleness: int, next_step: int = 0,
-                 require_seals: bool = True) -> None:
+                 require_plans: bool = True) -> None:
         if train_batch_size % group_size:
             raise ValueError("train_batch_size must be a multiple of group_size")
         self.train_batch_size = train_batch_size
@@ -82,9 +81,9 @@ class BatchAssembler:
         self._complete: dict[str, _Group] = {}
         self._seen: set[str] = set()
         self._seq = 0
-        self._arrived: dict[int, int] = {}
-        self._seals: dict[int, dict[int, int]] = {}
-        self.require_seals = require_seals
+        self._plans: dict[int, tuple[str, ...]] = {}
+        self._by_id: dict[str, HasVersion] = {}
+        self.require_plans = require_plans
         self.duplicates = 0
 
     @property
@@ -99,8 +98,7 @@ class BatchAssembler:
             self.duplicates += 1
             return False
         self._seen.add(tid)
-        v = int(trajectory.policy_version)
-        self._arrived[v] = self._arrived.get(v, 0) + 1
+        self._by_id[tid] = trajectory
         group = self._groups.setdefault(trajectory.group_id, _Group())
         group.members[tid] = trajectory
         if len(group.members) == self.group_size:
@@ -111,20 +109,16 @@ class BatchAssembler:
 
     def mark_seen(self, trajectories: Iterable[HasVersion]) -> None:
         """Record trajectories consumed by earlier batches (recovery): duplicates from now on."""
-        for t in trajectories:
-            if t.trajectory_id not in self._seen:
-                self._seen.add(t.trajectory_id)
-                v = int(t.policy_version)
-                self._arrived[v] = self._arrived.get(v, 0) + 1
+        self._seen.update(t.trajectory_id for t in trajectories)
 
-    def on_seal(self, train_step: int, dispatched_by_version: dict[int, int]) -> None:
-        """The orchestrator sealed ``train_step`` (rule 5)."""
-        self._seals[train_step] = dict(dispatched_by_version)
+    def on_plan(self, train_step: int, trajectory_ids: Iterable[str]) -> None:
+        """The orchestrator planned ``train_step`` (rule 5)."""
+        if train_step >= self.next_step:
+            self._plans[train_step] = tuple(trajectory_ids)
 
-    def waiting_for(self) -> dict[int, int]:
-        """Sealed trajectories still missing for the next cut, by version ({} when none or no seal)."""
-        seal = self._seals.get(self.next_step, {})
-        return {v: n - self._arrived.get(v, 0) for v, n in seal.items() if self._arrived.get(v, 0) < n}
+    def waiting_for(self) -> list[str]:
+        """Planned trajectories of the next step that have not arrived yet."""
+        return [t for t in self._plans.get(self.next_step, ()) if t not in self._by_id]
 
     def pending(self) -> int:
         """Trajectories buffered and not yet in a batch."""
@@ -150,8 +144,8 @@ class BatchAssembler:
     def cut(self) -> AssembledBatch | None:
         """The batch for ``next_step`` if it is sealed, every sealed trajectory arrived and enough
         eligible complete groups exist; else None."""
-        if self.require_seals and (self.next_step not in self._seals or self.waiting_for()):
-            return None
+        if self.require_plans:
+            return self._cut_planned()
         eligible = [(gid, g) for gid, g in self._complete.items()
                     if self.next_step - g.min_version() <= self.max_staleness]
         if len(eligible) < self.groups_per_batch:
@@ -162,7 +156,41 @@ class BatchAssembler:
         for gid, g in chosen:
             del self._complete[gid]
             trajectories.extend(sorted(g.members.values(), key=lambda t: t.trajectory_id))
+        for t in trajectories:
+            self._by_id.pop(t.trajectory_id, None)
         batch = AssembledBatch(self.next_step, tuple(trajectories))
-        self._seals.pop(self.next_step, None)
         self.next_step += 1
         return batch
+
+    def _cut_planned(self) -> AssembledBatch | None:
+        plan = self._plans.get(self.next_step)
+        if plan is None or self.waiting_for():
+            return None
+        members = [self._by_id.pop(t) for t in plan]
+        for t in members:
+            gid = t.group_id
+            grp = self._complete.get(gid) or self._groups.get(gid)
+            if grp is not None:
+                grp.members.pop(t.trajectory_id, None)
+                if not grp.members:
+                    self._complete.pop(gid, None)
+                    self._groups.pop(gid, None)
+        del self._plans[self.next_step]
+        batch = AssembledBatch(self.next_step, tuple(members))
+        self.next_step += 1
+        return batch
+
+    def violations(self, batch: AssembledBatch) -> list[str]:
+        """Safety gate on a batch: size, whole groups, staleness within [0, S]."""
+        out = []
+        if len(batch.trajectories) != self.train_batch_size:
+            out.append(f"{len(batch.trajectories)} trajectories instead of {self.train_batch_size}")
+        sizes: dict[str, int] = {}
+        for t in batch.trajectories:
+            sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
+        out.extend(f"group {g} has {n} of {self.group_size} members" for g, n in sizes.items()
+                   if n != self.group_size)
+        out.extend(f"{t.trajectory_id}: staleness {s} outside [0, {self.max_staleness}]"
+                   for t, s in zip(batch.trajectories, batch.staleness(), strict=True)
+                   if s > self.max_staleness or s < 0)
+        return out

@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 from dora_rl.config import DoraConfig
 
 from .scheduling import Dispatch
-from .seals import seal_counts, sealable_steps
+from .planning import Planner
 
 P = TypeVar("P")
 
@@ -80,8 +80,6 @@ class DoraState:
     trajs: dict[str, TrajState] = field(default_factory=dict)
     instance_version: list[int] = field(default_factory=list)
     migrating: dict[str, int] = field(default_factory=dict)  # tid -> version, awaiting its partial
-    sealed_upto: int = -1
-    dispatched_by_version: dict[int, int] = field(default_factory=dict)
 
 
 class DoraScheduler(Generic[P]):
@@ -96,6 +94,7 @@ class DoraScheduler(Generic[P]):
         self.n = config.num_instances
         self.capacity = config.instance_concurrency
         self.state = DoraState(instance_version=[-1] * self.n)
+        self.planner = Planner(self.tbs, self.G, self.S, self.steps)
         self._prompts: deque[tuple[str, P]] = deque()
         self._resume: deque[tuple[Migration, int]] = deque()
         self.cancels: list[Cancel] = []
@@ -116,6 +115,7 @@ class DoraScheduler(Generic[P]):
         t = self.state.trajs.get(trajectory_id)
         if t is not None:
             t.done = True
+        self.planner.complete(trajectory_id)
 
     def on_consumed(self, train_step: int, trajectory_ids: list[str]) -> None:
         self.state.next_cut = max(self.state.next_cut, train_step + 1)
@@ -140,7 +140,8 @@ class DoraScheduler(Generic[P]):
     # -- rules ------------------------------------------------------------------------------------
 
     def unconsumed(self) -> int:
-        return len(self.state.trajs)
+        """Dispatched trajectories not yet planned into a batch."""
+        return self.planner.unplanned()
 
     def in_flight(self, version: int | None = None) -> int:
         return sum(1 for t in self.state.trajs.values() if not t.done and (version is None or t.version == version))
@@ -154,28 +155,19 @@ class DoraScheduler(Generic[P]):
 
     def live_versions(self) -> list[int]:
         """Versions with unconsumed trajectories, plus the latest."""
-        live = {t.version for t in self.state.trajs.values()}
+        live = set(self.planner.version_of.values()) | {t.version for t in self.state.trajs.values() if not t.done}
         if self.state.latest >= 0:
             live.add(self.state.latest)
         return sorted(live)
 
     def feasible(self, version: int, n: int) -> bool:
-        """Rule 2 (EDF) for ``n`` more trajectories of ``version``; also rules 1 and 3."""
+        """Rules 1–3: window, RBS and total budget, and the EDF condition (``planning.feasible``)."""
         st = self.state
-        if version < st.latest - self.S or version < 0 or version + self.S <= st.sealed_upto:
+        if version < st.latest - self.S or version < 0:
             return False
         if self.unconsumed() + n > self.rbs or st.dispatched + n > self.steps * self.tbs:
             return False
-        deadlines = sorted(t.version + self.S for t in st.trajs.values())
-        new_deadline = version + self.S
-        last = self.steps - 1
-        for d in sorted({*deadlines, new_deadline}):
-            if d < new_deadline:
-                continue
-            count = sum(1 for x in deadlines if x <= d) + n
-            if count > self.tbs * (min(d, last) - st.next_cut + 1):
-                return False
-        return True
+        return self.planner.can_add(version, n)
 
     def repartition(self) -> list[Cancel]:
         """Rule 5: reassign instances to live versions; returns the cancels it caused."""
@@ -279,7 +271,7 @@ class DoraScheduler(Generic[P]):
                     d = Dispatch(prompt, group_id, i, version, inst, st.dispatched // self.tbs)
                     st.trajs[d.trajectory_id] = TrajState(version, inst, group_id)
                     st.dispatched += 1
-                    st.dispatched_by_version[version] = st.dispatched_by_version.get(version, 0) + 1
+                    self.planner.add(d.trajectory_id, group_id, version)
                     out.append(d)
         return out
 
@@ -291,14 +283,13 @@ class DoraScheduler(Generic[P]):
     def done(self) -> bool:
         return self.state.dispatched >= self.steps * self.tbs
 
-    def seals(self) -> list[tuple[int, dict[int, int]]]:
-        """Steps sealed now (see :mod:`dora_rl.streams.seals`), with their dispatched counts."""
-        st = self.state
-        steps = sealable_steps((t.version + self.S for t in st.trajs.values()), st.next_cut, st.sealed_upto,
-                               st.latest, self.S, self.tbs, self.steps, self.done())
-        if steps:
-            st.sealed_upto = steps[-1]
-        return [(c, seal_counts(st.dispatched_by_version, c, self.S)) for c in steps]
+    def plans(self) -> list[tuple[int, list[str]]]:
+        """Batches that can be planned now (EDF, see :mod:`dora_rl.streams.planning`)."""
+        out = self.planner.plans()
+        for _, tids in out:
+            for tid in tids:
+                self.state.trajs.pop(tid, None)
+        return out
 
 
 class PartialScheduler(DoraScheduler[P]):
@@ -337,12 +328,3 @@ class PartialScheduler(DoraScheduler[P]):
     def resume_version(self, trajectory_id: str) -> int:
         """Partial rollout resumes under the newest weights, whatever version began it."""
         return self.state.latest
-
-    def seals(self) -> list[tuple[int, dict[int, int]]]:
-        """Step ``c`` is sealed once version ``c`` exists (no deadline bookkeeping: nothing to wait for)."""
-        st = self.state
-        out: list[tuple[int, dict[int, int]]] = []
-        while st.sealed_upto + 1 < self.steps and (st.latest >= st.sealed_upto + 1 or self.done()):
-            st.sealed_upto += 1
-            out.append((st.sealed_upto, {}))
-        return out

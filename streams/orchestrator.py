@@ -23,10 +23,10 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import (
+    BatchPlan,
     PolicyVersion,
     Prompt,
     RolloutRequest,
-    StepSeal,
     TokenChunk,
     Trajectory,
     TrainBatch,
@@ -130,10 +130,9 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                     requests[mig.trajectory_id] = req
                     producer.send(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
                     out += 1
-            for step, counts in scheduler.seals():
-                seal = StepSeal(run_id=run_id, train_step=step, ts_ms=now_ms(),
-                                dispatched_by_version={str(v): n for v, n in counts.items()})
-                producer.send(topics.SCHEDULE, seal, make_key(step, "seal"))
+            for step, tids in scheduler.plans():
+                plan = BatchPlan(run_id=run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=now_ms())
+                producer.send(topics.SCHEDULE, plan, make_key(step, "plan"))
                 out += 1
             sched_s += time.perf_counter() - t0
             if out:
@@ -152,7 +151,7 @@ def describe(scheduler: Any) -> str:
     st = scheduler.state
     if hasattr(st, "trajs"):
         undone = [tid for tid, t in st.trajs.items() if not t.done]
-        return (f"latest={st.latest} next_cut={st.next_cut} sealed={st.sealed_upto} dispatched={st.dispatched} "
+        return (f"latest={st.latest} planned_steps={scheduler.planner.next_step} dispatched={st.dispatched} "
                 f"unconsumed={len(st.trajs)} in_flight={len(undone)} migrating={len(st.migrating)} "
                 f"resume_queue={len(scheduler._resume)} load={scheduler.load()} instances={st.instance_version} "
                 f"stuck={[(t, st.trajs[t].version, st.trajs[t].instance) for t in undone[:4]]}")

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .seals import seal_counts, sealable_steps
+from .planning import Planner
 
 P = TypeVar("P")
 
@@ -73,8 +73,7 @@ class Scheduler(Generic[P]):
         self.max_staleness = (1 if mode == "one_step_off" else 0) if max_staleness is None else max_staleness
         self.train_batch_size = train_batch_size
         self.state = SchedulerState()
-        self.sealed_upto = -1
-        self.dispatched_by_version: dict[int, int] = {}
+        self.planner = Planner(train_batch_size, group_size, self.max_staleness, steps)
         self._prompts: deque[tuple[str, P]] = deque()
 
     def add_prompt(self, group_id: str, prompt: P) -> None:
@@ -88,6 +87,7 @@ class Scheduler(Generic[P]):
     def on_completed(self, trajectory_id: str) -> None:
         """A trajectory finished decoding (its instance is free of it)."""
         self.state.in_flight.pop(trajectory_id, None)
+        self.planner.complete(trajectory_id)
 
     def on_consumed(self, train_step: int, trajectory_ids: list[str]) -> None:
         """A batch was cut for ``train_step``."""
@@ -123,7 +123,7 @@ class Scheduler(Generic[P]):
                     d = Dispatch(prompt, group_id, i, version, inst, wave)
                     self.state.in_flight[d.trajectory_id] = inst
                     self.state.version_of[d.trajectory_id] = version
-                    self.dispatched_by_version[version] = self.dispatched_by_version.get(version, 0) + 1
+                    self.planner.add(d.trajectory_id, group_id, version)
                     out.append(d)
             self.state.waves_dispatched += 1
         return out
@@ -132,12 +132,6 @@ class Scheduler(Generic[P]):
         """All waves dispatched."""
         return self.state.waves_dispatched >= self.steps
 
-    def seals(self) -> list[tuple[int, dict[int, int]]]:
-        """Steps sealed by what happened so far: (step, dispatched count per version with deadline <= step)."""
-        steps = sealable_steps((v + self.max_staleness for v in self.state.version_of.values()),
-                               self.state.consumed_steps, self.sealed_upto, self.state.latest_version,
-                               self.max_staleness, self.train_batch_size, self.steps, self.done())
-        out = [(c, seal_counts(self.dispatched_by_version, c, self.max_staleness)) for c in steps]
-        if steps:
-            self.sealed_upto = steps[-1]
-        return out
+    def plans(self) -> list[tuple[int, list[str]]]:
+        """Batches that can be planned now: (train step, trajectory ids), EDF (see ``planning``)."""
+        return self.planner.plans()

@@ -22,7 +22,7 @@ def group(gid: str, versions: list[int]) -> list[T]:
 
 
 def test_batches_hold_exactly_tbs_whole_groups_in_completion_order() -> None:
-    asm = BatchAssembler(train_batch_size=4, group_size=2, max_staleness=1, require_seals=False)
+    asm = BatchAssembler(train_batch_size=4, group_size=2, max_staleness=1, require_plans=False)
     for t in group("a", [0, 0])[:1] + group("b", [0, 0]) + group("c", [0, 0]):
         asm.add(t)
     batch = asm.cut()
@@ -34,14 +34,14 @@ def test_batches_hold_exactly_tbs_whole_groups_in_completion_order() -> None:
 
 
 def test_duplicates_are_ignored() -> None:
-    asm = BatchAssembler(4, 2, 0, require_seals=False)
+    asm = BatchAssembler(4, 2, 0, require_plans=False)
     g = group("a", [0, 0])
     assert asm.add(g[0]) and not asm.add(g[0])
     assert asm.duplicates == 1
 
 
 def test_oldest_version_first_then_completion_order() -> None:
-    asm = BatchAssembler(train_batch_size=2, group_size=2, max_staleness=2, next_step=2, require_seals=False)
+    asm = BatchAssembler(train_batch_size=2, group_size=2, max_staleness=2, next_step=2, require_plans=False)
     for t in group("new", [2, 2]) + group("old", [1, 0]) + group("mid", [1, 1]):
         asm.add(t)
     first = asm.cut()
@@ -52,7 +52,7 @@ def test_oldest_version_first_then_completion_order() -> None:
 
 
 def test_staleness_gate_refuses_over_stale_groups_and_never_batches_them() -> None:
-    asm = BatchAssembler(train_batch_size=2, group_size=2, max_staleness=1, next_step=3, require_seals=False)
+    asm = BatchAssembler(train_batch_size=2, group_size=2, max_staleness=1, next_step=3, require_plans=False)
     for t in group("stale", [1, 2]) + group("ok", [2, 3]):
         asm.add(t)
     refused = asm.refuse_over_stale()
@@ -62,7 +62,7 @@ def test_staleness_gate_refuses_over_stale_groups_and_never_batches_them() -> No
 
 
 def test_every_complete_group_lands_in_exactly_one_batch() -> None:
-    asm = BatchAssembler(train_batch_size=8, group_size=4, max_staleness=0, require_seals=False)
+    asm = BatchAssembler(train_batch_size=8, group_size=4, max_staleness=0, require_plans=False)
     seen: list[str] = []
     for k in range(5):
         for g in range(2):
@@ -117,16 +117,18 @@ def test_waits_for_enough_prompts() -> None:
     assert len(s.dispatch()) == 8
 
 
-def test_cut_waits_for_the_seal_and_every_sealed_trajectory() -> None:
+def test_planned_cut_waits_for_every_planned_trajectory() -> None:
     asm = BatchAssembler(train_batch_size=4, group_size=2, max_staleness=1, next_step=1)
-    for t in group("new1", [1, 1]) + group("new2", [1, 1]) + group("old", [0, 0]):
+    for t in group("new1", [1, 1]) + group("old", [0, 0]):
         asm.add(t)
-    assert asm.cut() is None  # not sealed yet
-    asm.on_seal(1, {0: 4})  # four version-0 trajectories were dispatched; one group still decoding
-    assert asm.waiting_for() == {0: 2}
+    assert asm.cut() is None  # no plan yet
+    asm.on_plan(1, ["old/0", "old/1", "late/0", "late/1"])
+    assert asm.waiting_for() == ["late/0", "late/1"]
     assert asm.cut() is None
     for t in group("late", [0, 0]):
         asm.add(t)
     batch = asm.cut()
-    assert batch is not None
-    assert {t.group_id for t in batch.trajectories} == {"old", "late"}  # the deadline-bound ones first
+    assert batch is not None and batch.train_step == 1
+    assert [t.trajectory_id for t in batch.trajectories] == ["old/0", "old/1", "late/0", "late/1"]
+    assert asm.violations(batch) == []
+    assert asm.pending() == 2  # 'new1' stays for a later plan
