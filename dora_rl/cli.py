@@ -92,8 +92,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
     from dora_rl.infra import topics
 
-    bootstrap = _bootstrap(args, start=args.action == "create")
-    if args.action == "create":
+    if args.action == "create":  # `list` prints the catalogue and needs no broker
+        bootstrap = _bootstrap(args, start=True)
         result = topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), args.partitions)
         for name, state in result.items():
             print(f"{name:32s} {state}")
