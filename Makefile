@@ -23,7 +23,7 @@ run: setup
 
 lint: setup
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m mypy dora_rl producers consumers schemas streams infra
+	bash tools/typecheck.sh
 
 test: setup lint
 	$(BIN)/python -m pytest -ra $(ARGS)

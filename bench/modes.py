@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             figures = collect(bootstrap, summary["run_id"], summary)
             result["modes"][mode] = figures
             print(f"   {mode:13s} {figures['throughput_tokens_per_s']:8.0f} tok/s  step {figures['step_time_s']:.2f}s  "
-                  f"rollout-only {figures['rollout_only_share']:.0%}  rollout idle {figures['rollout_idle_ratio']:.0%}  "
+                  f"rollout-only {figures['rollout_only_share']:.0%}  "
+                  f"rollout idle {figures['rollout_idle_ratio']:.0%}  "
                   f"trainer idle {figures['trainer_idle_ratio']:.0%}  max staleness {figures['max_staleness_seen']}  "
                   f"audit {'PASS' if figures['audit_ok'] else 'FAIL'}", file=sys.stderr, flush=True)
     finally:

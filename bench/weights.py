@@ -155,6 +155,7 @@ def _raw_server(buckets: list[Any]) -> tuple[str, socket.socket]:
 def holder_main(conn: Any, kinds: list[str]) -> None:
     """Holder process: builds + packs the state dict, serves it on every transport."""
     import torch
+
     from dora_rl.infra.weights import pack_state_dict
 
     torch.set_num_threads(1)
@@ -196,6 +197,7 @@ def holder_main(conn: Any, kinds: list[str]) -> None:
 def fetcher_main(conn: Any) -> None:
     """Fetcher process: a pre-touched bucket-backed model; fetches on command; can serve (P2P)."""
     import torch
+
     from dora_rl.infra.weights import WeightManifest, unpack_into
     from dora_rl.infra.weights.manifest import alloc_bytes
     from dora_rl.infra.weights.plan import ReceivePlan, request_segments

@@ -79,12 +79,14 @@ class AuditReport:
         lines = [f"audit of run {self.run_id} (mode {self.mode}, S={self.max_staleness}, TBS={self.train_batch_size})",
                  f"  batches {self.batches}, trajectories batched {self.trajectories_batched}, requests "
                  f"{self.requests}, in flight at end {self.in_flight_at_end}",
-                 f"  staleness max {self.max_staleness_seen}, histogram {dict(sorted(self.staleness_histogram.items()))}"]
+                 f"  staleness max {self.max_staleness_seen}, "
+                 f"histogram {dict(sorted(self.staleness_histogram.items()))}"]
         for name in self.VIOLATIONS:
             value = getattr(self, name)
             lines.append(f"  {'FAIL' if value else 'ok  '} {name} = {value}")
         if self.c1_breaks_expected:
-            lines.append(f"  note c1_breaks_expected = {self.c1_breaks_expected} (partial mode mixes versions by design)")
+            lines.append(f"  note c1_breaks_expected = {self.c1_breaks_expected} "
+                         "(partial mode mixes versions by design)")
         if self.dead_letters:
             lines.append(f"  dead letters: {self.dead_letters}")
         lines.extend(f"  e.g. {e}" for e in self.examples[:10])
@@ -151,7 +153,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
         if n > 1:
             rep.examples.append(f"C2: {tid} batched {n} times")
     for gid, steps in batch_of_group.items():
-        if len(steps) > 1 or len(group_members.get(gid, ())) and not group_members[gid] <= set(batched):
+        if len(steps) > 1 or (len(group_members.get(gid, ())) and not group_members[gid] <= set(batched)):
             rep.c2_split_groups += 1
             rep.examples.append(f"C2: group {gid} split over steps {sorted(steps)}")
     unbatched = [tid for tid in requested if tid not in batched]

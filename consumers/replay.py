@@ -44,9 +44,10 @@ def replay(bootstrap: str, run_id: str | None, topic: str, out: TextIO, version:
     start = {o.partition: o.offset for o in info.start_offsets if o.topic == topic}
     n = 0
     for msg in read_all(bootstrap, topic, start):
-        if version is not None and msg.key():
+        key = msg.key()
+        if version is not None and key:
             try:
-                key_version, _ = parse_key(msg.key())
+                key_version, _ = parse_key(key)
             except ValueError:
                 key_version = None
             if key_version != version:

@@ -128,7 +128,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from dora_rl.consumers.replay import replay
 
-    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115
+    out = open(args.out, "w") if args.out else sys.stdout
     try:
         n = replay(_bootstrap(args), args.run, args.topic, out, version=args.version, group=args.group)
     finally:
@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dora-rl", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--bootstrap-servers", default=None, help="Kafka bootstrap servers (env DORA_BOOTSTRAP_SERVERS)")
+    common.add_argument("--bootstrap-servers", default=None,
+                        help="Kafka bootstrap servers (env DORA_BOOTSTRAP_SERVERS)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", parents=[common], help="run the whole RL loop")

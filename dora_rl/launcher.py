@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RunConsumer, DeadLetters, RecordProducer, now_ms
+from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.runs import finish_run, offsets_map, start_run
 from dora_rl.schemas.records import InstanceStatus, Metric
 
@@ -102,7 +102,8 @@ class Progress:
         self.extra.setdefault(f"{m.component}/{m.name}", []).append(m.value)
 
 
-def spawn(role: str, bootstrap: str, run_id: str, logs: Path, env: dict[str, str], index: int = 0) -> subprocess.Popen[bytes]:
+def spawn(role: str, bootstrap: str, run_id: str, logs: Path, env: dict[str, str],
+          index: int = 0) -> subprocess.Popen[bytes]:
     """Start ``dora-rl <role>`` as a child process logging to ``logs/<role>[-i].log``."""
     name = role if role not in ("rollout", "scorer") else f"{role}-{index}"
     out: TextIO = (logs / f"{name}.log").open("w")
@@ -156,7 +157,8 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
 
     previous = signal.signal(signal.SIGTERM, on_term)
     producer = RecordProducer(bootstrap, f"run-{info.run_id}")
-    watcher = RunConsumer(bootstrap, info.run_id, "launcher", {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
+    watcher = RunConsumer(bootstrap, info.run_id, "launcher",
+                          {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
                           DeadLetters(producer, "launcher", info.run_id), offsets_map(info),
                           group_suffix=f".{now_ms()}")
     progress = Progress()

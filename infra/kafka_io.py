@@ -145,7 +145,7 @@ class DeadLetters:
             topic, partition, offset, key = msg.topic, msg.partition, msg.offset, msg.key
             raw = value
         else:
-            topic, partition, offset, key = msg.topic(), msg.partition(), msg.offset(), msg.key()
+            topic, partition, offset, key = msg.topic() or "", msg.partition() or 0, msg.offset() or 0, msg.key()
             raw = msg.value() if value is None else value
         letter = DeadLetter(component=self.component, reason=reason[:2000], error_type=error_type,
                             source_topic=topic or "", source_partition=partition or 0,

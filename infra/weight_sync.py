@@ -148,7 +148,8 @@ class Fetcher:
         elif transport != "file":
             raise ValueError(f"unknown weight transport {transport!r} (ucx, tcp or file)")
 
-    def fetch_into(self, ann: PolicyVersion, model: torch.nn.Module, extra_holders: list[str] | None = None) -> FetchStats:
+    def fetch_into(self, ann: PolicyVersion, model: torch.nn.Module,
+                   extra_holders: list[str] | None = None) -> FetchStats:
         """Fetch version ``ann.version`` and write it into ``model``'s parameters."""
         from dora_rl.modeling import load_weights
 

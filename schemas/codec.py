@@ -133,16 +133,19 @@ def encode(name: str, record: Mapping[str, Any]) -> tuple[bytes, list[tuple[str,
     return buf.getvalue(), headers
 
 
-def _header(headers: list[tuple[str, bytes]] | None, key: str) -> str | None:
-    for k, v in headers or ():
+#: Kafka headers as clients hand them over: a list of (key, value) pairs or a mapping.
+Headers = list[tuple[str, Any]] | dict[str, Any] | None
+
+
+def _header(headers: Headers, key: str) -> str | None:
+    items = headers.items() if isinstance(headers, dict) else (headers or ())
+    for k, v in items:
         if k == key:
             return v.decode() if isinstance(v, bytes | bytearray) else str(v)
     return None
 
 
-def decode(
-    name: str, value: bytes | None, headers: list[tuple[str, bytes]] | None = None
-) -> dict[str, Any]:
+def decode(name: str, value: bytes | None, headers: Headers = None) -> dict[str, Any]:
     """Decode one value as record ``name``.
 
     The writer schema is the one named by the fingerprint header when present (resolved into the

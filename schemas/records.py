@@ -83,7 +83,7 @@ class Record:
         return codec.encode(self.SCHEMA, self.to_avro())
 
     @classmethod
-    def decode(cls: type[R], value: bytes | None, headers: list[tuple[str, bytes]] | None = None) -> R:
+    def decode(cls: type[R], value: bytes | None, headers: codec.Headers = None) -> R:
         """Decode wire bytes; raises :class:`codec.DecodeError` with the reason."""
         datum = codec.decode(cls.SCHEMA, value, headers)
         try:

@@ -27,7 +27,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import now_ms, read_all
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import DeadLetter, Metric, BatchPlan, TrainBatch, Trajectory
+from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, TrainBatch, Trajectory
 
 from .batching import BatchAssembler
 

@@ -37,8 +37,8 @@ from typing import Any, Generic, TypeVar
 
 from dora_rl.config import DoraConfig
 
-from .scheduling import Dispatch
 from .planning import Planner
+from .scheduling import Dispatch
 
 P = TypeVar("P")
 

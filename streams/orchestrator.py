@@ -28,8 +28,8 @@ from dora_rl.schemas.records import (
     Prompt,
     RolloutRequest,
     TokenChunk,
-    Trajectory,
     TrainBatch,
+    Trajectory,
 )
 
 from .scheduling import Dispatch, Scheduler

@@ -147,12 +147,13 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             inst = insts[cancel.instance]
             inst.advance(now)
             for tid in cancel.trajectory_ids:
-                tr = inst.active.pop(tid, None)
-                if tr is None:
+                found = inst.active.pop(tid, None)
+                if found is None:
                     queued = [q for q in inst.queue if q.tid == tid]
                     inst.queue = [q for q in inst.queue if q.tid != tid]
-                    tr = queued[0] if queued else None
-                if tr is not None:
+                    found = queued[0] if queued else None
+                if found is not None:
+                    tr = found
                     sched.on_aborted(tid, tr, cancel.instance)
                     migrations += 1
             drain(inst, now)

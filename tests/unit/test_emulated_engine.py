@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+
 from dora_rl.producers.rollout.emulated import (
     EmulatedEngine,
     EmulatedParams,
