@@ -176,6 +176,22 @@ class Fetcher:
             holder = str(path)
         return FetchStats(int(ann.version), int(ann.total_bytes), time.perf_counter() - t0, holder)
 
+    def fetch_state(self, ann: PolicyVersion) -> tuple[dict[str, torch.Tensor], FetchStats]:
+        """Fetch version ``ann.version`` into fresh tensors (for engines that load a state dict)."""
+        t0 = time.perf_counter()
+        if self._client is not None:
+            from .weights.manifest import WeightManifest
+
+            state = self._client.fetch(WeightManifest.from_dict(manifest_from_announcement(ann)), list(ann.holders))
+        else:
+            from safetensors.torch import load_file
+
+            path = Path(ann.holders[0])
+            if ann.buckets and _sha256(path) != ann.buckets[0].checksum:
+                raise ValueError(f"version {ann.version}: checksum mismatch for {path}")
+            state = load_file(str(path))
+        return state, FetchStats(int(ann.version), int(ann.total_bytes), time.perf_counter() - t0, ann.holders[0])
+
     def close(self) -> None:
         """Release the client."""
         if self._client is not None and hasattr(self._client, "close"):

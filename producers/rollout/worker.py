@@ -90,9 +90,12 @@ def make_engine(config: DoraConfig, model: Any, tokenizer: Any, index: int) -> A
         params = EmulatedParams.from_dict({"seed": config.seed, **config.emulated})
         return EmulatedEngine(params, capacity=config.instance_concurrency)
     if config.engine == "vllm":
+        from dora_rl.policy_source import resolve_model
+
         from .vllm_engine import VllmEngine
 
-        return VllmEngine(config, index)
+        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature,
+                          seed=config.seed * 1000 + index)
     from .torch_engine import TorchEngine
 
     return TorchEngine(model, tokenizer, temperature=config.temperature, seed=config.seed * 1000 + index)
@@ -198,11 +201,18 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     producer = RecordProducer(bootstrap, f"rollout-{index}-{run_id}")
     inst_dlq = DeadLetters(producer, f"rollout-{index}", run_id)
     metrics = Metrics(producer, run_id, f"rollout-{index}")
-    model, tok = (None, None) if config.engine == "emulated" else load_policy(resolve_model(config.model, config.seed))
+    model: Any = None
+    tok: Any = None
+    if config.engine == "torch":
+        model, tok = load_policy(resolve_model(config.model, config.seed))
+    elif config.engine == "vllm":  # the engine holds the weights; only the tokenizer is needed here
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(resolve_model(config.model, config.seed), local_files_only=True)
     engine = engine or make_engine(config, model, tok, index)
     inst = Instance(run_id, index, config, producer,
                     (lambda ids: decode_completion(tok, ids)) if tok is not None else (lambda ids: ""))
-    fetcher = Fetcher(config.weight_transport, token) if model is not None else None
+    fetcher = Fetcher(config.weight_transport, token) if config.engine != "emulated" else None
     reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
     versions = RunConsumer(bootstrap, run_id, inst.instance_id, {topics.VERSIONS: PolicyVersion}, inst_dlq,
                            start_offsets, group_suffix=f".versions.{now_ms()}")
@@ -278,10 +288,14 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     inst.state = "LOADING"
                     inst.heartbeat(force=True)
                     t0 = time.perf_counter()
-                    if fetcher is not None and model is not None:
+                    if fetcher is not None and model is not None:  # torch: straight into the parameters
                         fs = fetcher.fetch_into(known[version], model)
                         metrics.emit("weights_gbps", fs.gbps, version=version)
-                    else:
+                    elif fetcher is not None:  # vllm: fetch, then reload in place on the workers
+                        state, fs = fetcher.fetch_state(known[version])
+                        engine.load_state_dict(state)
+                        metrics.emit("weights_gbps", fs.gbps, version=version)
+                    else:  # emulated: only the load time is modelled
                         engine.load_state_dict({})
                     inst.held = version
                     metrics.emit("switch_s", time.perf_counter() - t0, version=version)

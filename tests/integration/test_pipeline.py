@@ -28,7 +28,7 @@ from dora_rl.schemas.records import DeadLetter
 pytestmark = pytest.mark.broker
 
 SMALL = dict(steps=3, train_batch_size=16, rollout_batch_size=16, group_size=4, sft_steps=10,
-             max_new_tokens=24, weight_transport="tcp")
+             max_new_tokens=24)  # weight_transport: the default, UCX
 
 #: input topic -> partition to inject into (requests: instance 0's partition)
 INPUTS = {topics.PROMPTS: 0, topics.REQUESTS: 0, topics.TRAJECTORIES: 0, topics.SCORED: 0,
@@ -147,3 +147,21 @@ def test_replay_and_monitor_read_the_recorded_run(bootstrap: str, sync_run: dict
         sum(1 for r in good if r["policy_version"] == 1) == 16
     view = monitor(bootstrap, sync_run["run_id"], follow=False, idle_s=1.0)
     assert sorted(view.steps) == [0, 1, 2]
+
+
+def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, sync_run: dict[str, Any]) -> None:
+    """Every new version reached the (single, never restarted) instance through the UCX channel."""
+    from dora_rl.infra.runs import get_run
+    from dora_rl.schemas.records import Metric, PolicyVersion
+
+    info = get_run(bootstrap, sync_run["run_id"])
+    start = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.VERSIONS}
+    anns = [PolicyVersion.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.VERSIONS, start)]
+    anns = [a for a in anns if a.run_id == sync_run["run_id"]]
+    assert [a.version for a in anns] == [0, 1, 2, 3]
+    assert {a.transport for a in anns} == {"ucx"} and all(a.buckets and a.tensors for a in anns)
+    mstart = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.METRICS}
+    switches = [Metric.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.METRICS, mstart)]
+    switched = sorted(int(m.version or 0) for m in switches
+                      if m.run_id == sync_run["run_id"] and m.component == "rollout-0" and m.name == "switch_s")
+    assert switched == [0, 1, 2]  # versions 0..2 generated the three steps; one process did it all
