@@ -27,10 +27,6 @@ from typing import Any
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult
 
 
-def _reload(worker: Any, items: list[tuple[str, Any]]) -> None:  # runs inside each vLLM worker
-    worker.model_runner.reload_weights(weights_iterator=iter(items))
-
-
 class VllmEngine:
     """vLLM ``LLMEngine`` driven step by step (see the module docstring)."""
 
@@ -58,8 +54,17 @@ class VllmEngine:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Reload the weights in place on every worker, then drop the prefix cache (C1)."""
         with self._weights_lock:
-            items = [(k, v.detach().cpu()) for k, v in state_dict.items()]
-            self.llm.collective_rpc(_reload, args=(items,))
+            state = dict(state_dict)
+            # transfers send a tied tensor once; vLLM's in-place reload expects every checkpoint name
+            # (a missing lm_head is NOT kept from before: it is left uninitialised)
+            if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+            items = [(k, v.detach().cpu().contiguous()) for k, v in state.items()]
+
+            def reload(worker: Any) -> None:  # runs in every worker; the tensors travel pickled in the closure
+                worker.reload_weights(weights_iterator=iter(items))
+
+            self.llm.collective_rpc(reload)
             self.llm.reset_prefix_cache()
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
