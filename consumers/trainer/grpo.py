@@ -7,6 +7,7 @@ with ``mask[b, t] = 1`` on real response tokens (EOS included) and 0 on right pa
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,8 +16,11 @@ import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4, scale: bool = True) -> Tensor:
     """GRPO advantage ``A_i = (r_i - mean_g) / (std_g + eps)`` for ``i`` in group ``g``.
+
+    ``scale=False`` gives the Dr. GRPO variant ``A_i = r_i - mean_g`` (no division by the group std,
+    which otherwise blows tiny reward differences within a group up to unit-size advantages).
 
     ``group_index[i]`` is any integer id of the group of trajectory ``i`` (ids need not be contiguous
     or sorted; groups may have any size >= 1). ``std_g`` is the sample std (Bessel, ``n_g - 1``; as
@@ -34,7 +38,7 @@ def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4) ->
     var = torch.zeros(n_groups, dtype=torch.float64).scatter_add_(0, inv, dev * dev) / (cnt - 1).clamp(min=1)
     lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce_(0, inv, r, "amin")
     hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce_(0, inv, r, "amax")
-    adv = dev / (var.sqrt()[inv] + eps)
+    adv = dev / (var.sqrt()[inv] + eps) if scale else dev
     adv = torch.where((hi == lo)[inv], torch.zeros_like(adv), adv)
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
@@ -167,6 +171,9 @@ class PPOConfig:
     REINFORCE with the GRPO baseline). ``micro_tokens`` bounds the padded ``B * (P + R)`` size of one
     forward/backward (micro-batches are length-sorted to avoid padding; gradients are accumulated
     and normalised by the minibatch's token count, so micro-batching never changes the update).
+    ``skip_zero_advantage`` leaves trajectories with ``A == 0`` (e.g. GRPO groups whose rewards are all
+    equal) out of the forward/backward but keeps their tokens in the normaliser: the update is
+    unchanged (their per-token loss is exactly 0), only faster.
     """
 
     epochs: int = 1
@@ -174,8 +181,33 @@ class PPOConfig:
     clip_eps: float = 0.2
     tis_cap: float | None = None
     temperature: float = 1.0
-    micro_tokens: int = 8192
+    micro_tokens: int = 2048
     grad_clip: float = 1.0
+    skip_zero_advantage: bool = True
+
+
+def warmup_cosine_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int | None = None,
+    final_lr_frac: float = 1.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LR multiplier ``(s + 1) / warmup_steps`` for the first ``warmup_steps`` optimizer steps, then a
+    cosine from 1 down to ``final_lr_frac`` at ``total_steps`` (constant 1 if ``total_steps`` is None).
+
+    Warm-up matters for RL after SFT: a fresh AdamW's first steps move every weight by ~lr
+    (``m / sqrt(v)`` is ±1 at step 1); at lr 5e-4 that single step took the 1.6M model's reward
+    from 0.60 to 0.38 (approx KL 0.31) before any learning happened.
+    """
+    warm = max(1, warmup_steps)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if total_steps is None or total_steps <= warm:
+            return 1.0
+        progress = min(1.0, (step - warm) / (total_steps - warm))
+        return final_lr_frac + (1.0 - final_lr_frac) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _pad_right(rows: Sequence[Sequence[float]], width: int) -> Tensor:
@@ -196,11 +228,13 @@ def ppo_update(
     cfg: PPOConfig,
     rng: random.Random,
     pad_id: int = 0,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> list[dict[str, float]]:
     """PPO/GRPO optimisation of one batch of trajectories with :func:`ppo_clip_loss`.
 
     ``advantages[i]`` is trajectory ``i``'s (e.g. :func:`group_advantages`). Returns one stats dict
-    per optimizer step (token-weighted means of the loss stats, plus ``loss`` and ``grad_norm``).
+    per optimizer step (token-weighted means of the loss stats, plus ``loss`` and ``grad_norm``);
+    ``scheduler`` (e.g. :func:`warmup_cosine_schedule`) is stepped after every optimizer step.
     The model is left in ``eval()`` mode.
     """
     n = len(prompt_ids)
@@ -214,13 +248,15 @@ def ppo_update(
         rng.shuffle(order)
         for k in range(cfg.minibatches):
             mb = order[k * n // cfg.minibatches:(k + 1) * n // cfg.minibatches]
-            if not mb:
-                continue
             n_tok = float(sum(len(response_ids[i]) for i in mb))
+            if cfg.skip_zero_advantage:  # exact: their loss and gradient are identically 0
+                mb = [i for i in mb if float(advantages[i]) != 0.0]
+            if not mb or n_tok == 0:
+                continue
             optimizer.zero_grad(set_to_none=True)
             agg: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0,
                                      "ratio_max": 0.0, "n_tokens": 0.0}
-            for micro in _micro_batches(sorted(mb, key=lambda i: len(prompt_ids[i]) + len(response_ids[i])),
+            for micro in micro_batches(sorted(mb, key=lambda i: len(prompt_ids[i]) + len(response_ids[i])),
                                         prompt_ids, response_ids, cfg.micro_tokens):
                 new_lp, mask = sequence_logprobs(model, [prompt_ids[i] for i in micro],
                                                  [response_ids[i] for i in micro], cfg.temperature, pad_id)
@@ -237,12 +273,14 @@ def ppo_update(
                                                   else float("inf"))
             agg["grad_norm"] = float(norm)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             out.append(agg)
     model.eval()
     return out
 
 
-def _micro_batches(
+def micro_batches(
     order: list[int], prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], budget: int,
 ) -> list[list[int]]:
     """Split length-sorted ``order`` into runs whose padded size ``len * (max P + max R)`` <= budget."""
