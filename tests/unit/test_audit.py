@@ -56,11 +56,11 @@ def test_each_violation_is_caught() -> None:
     late = [batch(0, t[:4]), TrainBatch(**{**batch(1, t[4:]).__dict__, "base_version": 2, "train_step": 2})]
     assert audit_records("r", CFG, reqs, t, late).c3_over_stale == 2  # version 0 at step 2 with S = 1
     assert audit_records("r", CFG, reqs, t, [batch(0, t[:2])]).tbs_wrong_size == 1
-    mixed = [traj("a/0", 0, token_versions=[0, 1])] + t[1:]
+    mixed = [traj("a/0", 0, token_versions=[0, 1]), *t[1:]]
     assert audit_records("r", CFG, reqs, mixed, b).c1_mixed_versions == 1
-    wrong_instance = [traj("a/0", 0, instance_version=1)] + t[1:]
+    wrong_instance = [traj("a/0", 0, instance_version=1), *t[1:]]
     assert audit_records("r", CFG, reqs, wrong_instance, b).c1_instance_mismatch == 1
-    wrong_request = [req("a/0", 1)] + reqs[1:]
+    wrong_request = [req("a/0", 1), *reqs[1:]]
     assert audit_records("r", CFG, wrong_request, t, b).c1_request_mismatch >= 1
     assert not audit_records("r", CFG, reqs, t, []).ok  # a run without batches does not pass
 
