@@ -156,7 +156,12 @@ def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, s
 
     info = get_run(bootstrap, sync_run["run_id"])
     start = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.VERSIONS}
-    anns = [PolicyVersion.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.VERSIONS, start)]
+    anns = []
+    for m in read_all(bootstrap, topics.VERSIONS, start):
+        try:
+            anns.append(PolicyVersion.decode(m.value(), m.headers()))
+        except codec.DecodeError:
+            continue  # the garbage injected by this module's dead-letter test
     anns = [a for a in anns if a.run_id == sync_run["run_id"]]
     assert [a.version for a in anns] == [0, 1, 2, 3]
     assert {a.transport for a in anns} == {"ucx"} and all(a.buckets and a.tensors for a in anns)
