@@ -107,6 +107,10 @@ class DoraConfig:
     num_partitions: int = 4
     """Partitions of the data topics (spread by group id)."""
 
+    repartition_s: float = 5.0
+    """``dora`` mode: re-partition instances across live versions at least this often (also after every
+    update and under load pressure)."""
+
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""
 

@@ -72,7 +72,7 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
                          value_serializer="raw", partitions=1)
     dlq = app.topic(topics.DLQ, key_serializer="raw", value_serializer="raw", partitions=1)
     metrics = app.topic(topics.METRICS, key_serializer="raw", value_serializer="raw", partitions=1)
-    # use_partitioner: the seal agent (1-partition source) also deletes keys, so the changelog partition
+    # use_partitioner: the plan agent (1-partition source) also deletes keys, so the changelog partition
     # comes from the key, not from the source event's partition
     pending = app.Table("pending", default=None, key_type=bytes, value_type=bytes,  # bytes => raw codec
                         partitions=config.num_partitions, use_partitioner=True)
@@ -144,9 +144,9 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             os._exit(3)
 
     @app.agent(schedule)
-    async def seals(stream: Any) -> None:
+    async def plans(stream: Any) -> None:
         try:
-            await _seals(stream)
+            await _plans(stream)
         except Exception:
             log.exception("plan agent crashed")
             os._exit(3)
@@ -171,7 +171,7 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             pending[traj.trajectory_id.encode()] = event.value
             await try_cut(event)
 
-    async def _seals(stream: Any) -> None:
+    async def _plans(stream: Any) -> None:
         async for event in stream.events():
             if event.message.offset < schedule_start.get(event.message.partition, 0):
                 continue

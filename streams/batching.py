@@ -142,8 +142,8 @@ class BatchAssembler:
         return refused
 
     def cut(self) -> AssembledBatch | None:
-        """The batch for ``next_step`` if it is sealed, every sealed trajectory arrived and enough
-        eligible complete groups exist; else None."""
+        """The batch for ``next_step``: with plans, once every planned trajectory has arrived; without,
+        once enough eligible complete groups exist. None while it must wait."""
         if self.require_plans:
             return self._cut_planned()
         eligible = [(gid, g) for gid, g in self._complete.items()

@@ -1,22 +1,18 @@
 """Multi-version streaming rollout (DORA, DESIGN.md §1) as pure rules: dispatch, windows, re-partition.
 
-Notation: ``V`` latest published version, ``S`` max staleness, ``c`` the next train step whose
-batch is not yet cut, TBS/RBS/G as in the config. A trajectory of version ``v`` must be consumed
-by a step ``k`` with ``k - v <= S``: its *deadline* is ``v + S``.
+Notation: ``V`` latest published version, ``S`` max staleness, TBS/RBS/G as in the config. A
+trajectory of version ``v`` must be consumed by a step ``k`` with ``k - v <= S``: its *deadline* is
+``v + S``.
 
 Rules:
 
 1. **Window (C3).** At most ``S + 1`` versions are live: dispatch uses versions ``v >= V - S`` only.
-2. **Feasibility (C2 + C3).** Batches are cut oldest-version-first (earliest deadline first), TBS
-   trajectories per step. Dispatching ``n`` more trajectories of version ``v`` is allowed only if
-   the EDF condition still holds for every deadline ``D >= v + S``::
-
-       #{unconsumed trajectories with deadline <= D} + n  <=  TBS * (min(D, steps - 1) - c + 1)
-
-   so every dispatched trajectory can be consumed before it becomes over-stale — nothing is ever
-   dropped, and the trainer never has to publish a version that leaves one over-stale (the
-   assembler's matching wait rule is in :mod:`dora_rl.streams.batching`).
-3. **Over-provisioning.** Unconsumed trajectories (in flight or complete, not yet in a batch) stay
+2. **Feasibility (C2 + C3).** Dispatching ``n`` more trajectories of version ``v`` is allowed only if
+   the earliest-deadline-first condition of :mod:`dora_rl.streams.planning` still holds, and the
+   orchestrator plans every batch itself, earliest deadline first (``BatchPlan``), so every
+   dispatched trajectory is trained before it becomes over-stale — nothing is ever dropped, and the
+   trainer never publishes a version that leaves one over-stale.
+3. **Over-provisioning.** Unplanned trajectories (in flight or complete, not yet in a batch) stay
    ``<= RBS``; in total at most ``steps * TBS`` are dispatched, so each one lands in a batch.
 4. **Newest first, back-fill.** New prompts go to the newest version ``V``; an instance still
    holding an older live version ``v`` receives new prompts of ``v`` only into its idle slots and
@@ -100,15 +96,18 @@ class DoraScheduler(Generic[P]):
         self.cancels: list[Cancel] = []
         self.repartitions = 0
         self.switches = 0
+        self.repartition_s = config.repartition_s
+        self._last_repartition = 0.0
 
     # -- events -----------------------------------------------------------------------------------
 
     def add_prompt(self, group_id: str, prompt: P) -> None:
         self._prompts.append((group_id, prompt))
 
-    def on_version(self, version: int) -> None:
+    def on_version(self, version: int, now: float = 0.0) -> None:
         if version > self.state.latest:
             self.state.latest = version
+            self._last_repartition = now
             self.repartition()
 
     def on_completed(self, trajectory_id: str) -> None:
@@ -221,6 +220,29 @@ class DoraScheduler(Generic[P]):
         self.state.instance_version = new
         self.cancels.extend(cancels)
         return cancels
+
+    def pressure(self) -> bool:
+        """Load pressure: a version has more in-flight work than its instances' slots while an
+        instance of another version sits idle."""
+        load = self.load()
+        by_version: dict[int, list[int]] = {}
+        for i, v in enumerate(self.state.instance_version):
+            by_version.setdefault(v, []).append(i)
+        idle = [i for i in range(self.n) if load[i] == 0]
+        for v, insts in by_version.items():
+            if self.in_flight(v) > self.capacity * len(insts) and any(self.state.instance_version[i] != v
+                                                                      for i in idle):
+                return True
+        return False
+
+    def tick(self, now: float) -> list[Cancel]:
+        """Re-partition on a timer (every ``repartition_s``) or under load pressure; ``now`` is injected."""
+        if self.state.latest < 0:
+            return []
+        if now - self._last_repartition >= self.repartition_s or self.pressure():
+            self._last_repartition = now
+            return self.repartition()
+        return []
 
     def _free_slots(self, version: int) -> list[tuple[int, int]]:
         """(instance, free slots) of instances assigned to ``version``, most free first."""

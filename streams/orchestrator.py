@@ -101,6 +101,8 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                     already.add(rec.group_id)  # dispatched by an earlier incarnation
                 elif env.topic == topics.TOKENS and rec.aborted:
                     scheduler.on_aborted(rec.trajectory_id, rec, int(rec.instance_id.rsplit("-", 1)[-1]))
+            if hasattr(scheduler, "tick"):
+                scheduler.tick(time.monotonic())
             out = 0
             for d in scheduler.dispatch():
                 req = request_for(run_id, d, config)

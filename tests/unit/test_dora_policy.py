@@ -102,3 +102,22 @@ def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_t
     assert placed and len(placed) + len(sched._resume) == len(moved)  # the rest waits for free slots
     for mig, target in placed:
         assert mig.version == 0 and sched.state.instance_version[target] == 0
+
+
+def test_repartition_triggers_timer_and_pressure() -> None:
+    sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 2, 96, repartition_s=10.0))
+    for i in range(40):
+        sched.add_prompt(f"g{i}", "p")
+    sched.on_version(0, now=100.0)
+    sched.dispatch()
+    n = sched.repartitions
+    sched.tick(105.0)
+    assert sched.repartitions == n  # neither timer nor pressure
+    sched.tick(111.0)
+    assert sched.repartitions == n + 1  # the timer
+    sched.state.instance_version = [0, 1, 1]  # version 1's instances idle while version 0 is overloaded
+    for t in sched.state.trajs.values():
+        t.instance = 0
+    assert sched.pressure()
+    sched.tick(112.0)
+    assert sched.repartitions == n + 2
