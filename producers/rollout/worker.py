@@ -119,6 +119,7 @@ class Instance:
         self.busy_s = 0.0
         self.state = "STARTING"
         self.last_hb = 0.0
+        self.endpoint = ""
 
     def heartbeat(self, force: bool = False) -> None:
         if not force and time.monotonic() - self.last_hb < self.config.heartbeat_s:
@@ -129,7 +130,8 @@ class Instance:
         st = InstanceStatus(run_id=self.run_id, instance_id=self.instance_id, instance_index=self.index,
                             loaded_version=self.held, state=self.state, in_flight=len(running),
                             capacity=self.config.instance_concurrency, in_flight_ids=running[:256],
-                            weight_endpoint="", generated_tokens=self.tokens, busy_s=self.busy_s, ts_ms=now_ms())
+                            weight_endpoint=self.endpoint, generated_tokens=self.tokens, busy_s=self.busy_s,
+                            ts_ms=now_ms())
         self.producer.send(topics.INSTANCES, st, make_key(max(self.held, 0), self.instance_id))
 
     def _partition(self, group_id: str) -> int:
@@ -184,6 +186,34 @@ class Instance:
             self.chunk_pos.pop(res.request_id, None)
 
 
+class InstanceHolder:
+    """An instance serves the version it holds (every holder serves, so fan-out grows with holders).
+
+    ``hold(v)`` serves ``v`` from a snapshot of the model's weights, retires the version held before
+    (its memory is freed) and returns the announcement naming this instance as a holder of ``v``.
+    """
+
+    def __init__(self, transport: str, run_id: str, token: str) -> None:
+        from dora_rl.infra.weights.channel import make_weight_server
+
+        self.run_id, self.transport = run_id, transport
+        self._server = make_weight_server(transport, token, recycle=True)
+        self.endpoint = str(self._server.address)
+
+    def hold(self, version: int, model: Any, previous: int) -> PolicyVersion:
+        from dora_rl.infra.weight_sync import announcement_from_manifest
+        from dora_rl.modeling import state_dict_for_transfer
+
+        if previous >= 0 and previous != version:
+            self._server.retire(previous)
+        manifest = self._server.serve(version, state_dict_for_transfer(model))
+        return announcement_from_manifest(self.run_id, version, version, self.transport, [self.endpoint],
+                                          manifest.to_dict(), {"holder_announcement": 1.0})
+
+    def close(self) -> None:
+        self._server.close()
+
+
 def _gen_request(r: RolloutRequest) -> GenRequest:
     return GenRequest(request_id=r.trajectory_id, prompt_ids=[int(i) for i in r.prompt_ids],
                       partial_ids=[int(i) for i in r.partial_ids],
@@ -213,6 +243,9 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     inst = Instance(run_id, index, config, producer,
                     (lambda ids: decode_completion(tok, ids)) if tok is not None else (lambda ids: ""))
     fetcher = Fetcher(config.weight_transport, token) if config.engine != "emulated" else None
+    holder = (InstanceHolder(config.weight_transport, run_id, token) if config.engine == "torch"
+              and config.weight_transport in ("ucx", "tcp") else None)
+    inst.endpoint = holder.endpoint if holder is not None else ""
     reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
     versions = RunConsumer(bootstrap, run_id, inst.instance_id, {topics.VERSIONS: PolicyVersion}, inst_dlq,
                            start_offsets, group_suffix=f".versions.{now_ms()}")
@@ -246,7 +279,12 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             if gen_error:
                 raise RuntimeError("generation failed") from gen_error[0]
             for env in versions.poll(0.0):
-                known[int(env.record.version)] = env.record
+                ann: PolicyVersion = env.record
+                v = int(ann.version)
+                if v in known and ann.holders[0] not in known[v].holders:  # another holder of v
+                    known[v] = known[v].replace(holders=known[v].holders + tuple(ann.holders))
+                elif v not in known:
+                    known[v] = ann
             for offset, req in reader.poll(0.02 if inst.pending else 0.2):
                 if req.action == "CANCEL":
                     with inst.lock:
@@ -289,8 +327,15 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     inst.heartbeat(force=True)
                     t0 = time.perf_counter()
                     if fetcher is not None and model is not None:  # torch: straight into the parameters
-                        fs = fetcher.fetch_into(known[version], model)
+                        ann = known[version]
+                        own = holder.endpoint if holder is not None else ""
+                        if own and own in ann.holders:
+                            ann = ann.replace(holders=tuple(h for h in ann.holders if h != own))
+                        fs = fetcher.fetch_into(ann, model)
                         metrics.emit("weights_gbps", fs.gbps, version=version)
+                        if holder is not None:  # serve what we now hold; peers pull from the least loaded
+                            producer.send(topics.VERSIONS, holder.hold(version, model, inst.held),
+                                          make_key(version, "policy"))
                     elif fetcher is not None:  # vllm: fetch, then reload in place on the workers
                         state, fs = fetcher.fetch_state(known[version])
                         engine.load_state_dict(state)
@@ -317,5 +362,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         versions.close()
         if fetcher is not None:
             fetcher.close()
+        if holder is not None:
+            holder.close()
         metrics.emit("generated_tokens", float(inst.tokens))
         producer.flush()
