@@ -77,8 +77,12 @@ class DoraConfig:
     sft_lr: float = 3e-3
     """Learning rate of the warm-up."""
 
-    lr: float = 5e-4
+    lr: float = 3e-4
     """RL learning rate (AdamW)."""
+
+    lr_warmup_steps: int = 10
+    """Linear learning-rate warm-up over the first N optimizer steps of RL (a fresh AdamW's first
+    steps move every weight by ~lr and undo much of the warm-up's progress without it)."""
 
     loss: Literal["grpo", "ppo"] = "grpo"
     """Policy loss: clipped surrogate against the behaviour log-probs with group-normalised (GRPO)
@@ -90,10 +94,10 @@ class DoraConfig:
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token by min(ratio, cap) (None disables)."""
 
-    ppo_epochs: int = 1
+    ppo_epochs: int = 2
     """Passes over each batch per training step."""
 
-    minibatches: int = 1
+    minibatches: int = 2
     """Optimizer steps per epoch (the batch is split evenly)."""
 
     weight_transport: WeightTransport = "ucx"

@@ -28,6 +28,7 @@ from dora_rl.infra.keys import make_key
 from dora_rl.infra.weight_sync import Publisher
 from dora_rl.schemas.records import TrainBatch
 
+from .grpo import warmup_cosine_schedule
 from .update import Sample, policy_update
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     metrics.emit("version_published", 0, version=0)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    lr_schedule = warmup_cosine_schedule(optimizer, config.lr_warmup_steps)
     consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.BATCHES: TrainBatch}, dlq, start_offsets)
     step = 0
     wait_started = time.perf_counter()
@@ -111,7 +113,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 stats = policy_update(model, optimizer, samples, loss=config.loss, clip_eps=config.clip_eps,
                                       tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
                                       minibatches=config.minibatches, temperature=config.temperature,
-                                      pad_id=pad_id, seed=config.seed + step)
+                                      pad_id=pad_id, seed=config.seed + step, lr_scheduler=lr_schedule)
                 stale = batch.staleness()
                 stats["staleness_max"] = float(max(stale))
                 stats["staleness_mean"] = float(sum(stale) / len(stale))

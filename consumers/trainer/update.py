@@ -67,7 +67,8 @@ def length_buckets(samples: Sequence[Sample], index: list[int], micro_tokens: in
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
                   *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = None,
                   ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
-                  seed: int = 0, micro_tokens: int = 8192) -> dict[str, float]:
+                  seed: int = 0, micro_tokens: int = 8192,
+                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
     """Apply one training step on ``samples``; returns statistics.
 
     Each optimizer step's sequences are sorted by length and cut into micro-batches of at most
@@ -110,6 +111,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
                     stats_acc.setdefault(k, []).append(float(v) * w)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            if lr_scheduler is not None:
+                lr_scheduler.step()
             stats_acc.setdefault("loss", []).append(total)
             stats_acc.setdefault("grad_norm", []).append(float(gnorm))
     model.eval()

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult
+from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
 
 _N = NormalDist()
 
@@ -294,11 +294,7 @@ class EmulatedEngine:
         on_finish: FinishCallback | None = None,
     ) -> list[GenResult]:
         """Generate every request as one continuously batched run; results in request order."""
-        if chunk_tokens < 1:
-            raise ValueError("chunk_tokens must be >= 1")
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("duplicate request ids in one generate() call")
+        ids = checked_ids(requests, chunk_tokens)
         with self._weights_lock:
             with self._abort_lock:
                 self._running = True

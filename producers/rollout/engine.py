@@ -95,3 +95,13 @@ class Engine(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace the policy weights (blocks until a running ``generate`` returns)."""
         ...
+
+
+def checked_ids(requests: Sequence[GenRequest], chunk_tokens: int) -> list[str]:
+    """The request ids of one ``generate`` call, after checking its arguments (every engine's preamble)."""
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be >= 1")
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate request ids in one generate() call")
+    return ids

@@ -1,10 +1,11 @@
 """A plain-torch rollout engine: batched KV-cache decoding with any HF causal LM (CPU or GPU).
 
-Layout of one ``generate`` call: every request's ``prompt_ids + partial_ids`` is left-padded into a
-``[B, L]`` batch with ``attention_mask`` 1 on real tokens and explicit
+Layout of one ``generate`` call: every request's ``prompt_ids + partial_ids`` is a row of a
+left-padded ``[B, L]`` batch with ``attention_mask`` 1 on real tokens and explicit
 ``position_ids = clamp(cumsum(attention_mask) - 1, min=0)`` (so a row's positions do not depend on
-its padding). One prefill pass fills a ``DynamicCache``; then each step feeds the token just sampled
-at ``position = last position + 1``.
+its padding). Prefill fills a ``DynamicCache`` (identical rows — a GRPO group — computed once,
+distinct rows in length-sorted chunks to avoid padding); then each step feeds the token just
+sampled at ``position = last position + 1``.
 
 Sampling: ``logp = log_softmax(logits.float() / temperature)``, ``token ~ Categorical(exp(logp))``,
 and the returned log-prob is ``logp[token]`` — exactly what
@@ -29,7 +30,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dora_rl.modeling import load_weights
 
-from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult
+from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
 
 
 class TorchEngine:
@@ -37,7 +38,8 @@ class TorchEngine:
 
     ``temperature`` must be > 0 (log-probs of the sampling distribution must exist). ``eos_id``
     defaults to the tokenizer's EOS; a sequence of ids means "stop at any of them". ``seed`` seeds
-    this engine's private ``torch.Generator`` (the global RNG is never used).
+    this engine's private ``torch.Generator`` (the global RNG is never used). ``prefill_tokens``
+    bounds the padded size of one prefill forward.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class TorchEngine:
         eos_id: int | Sequence[int] | None = None,
         seed: int = 0,
         pad_id: int | None = None,
+        prefill_tokens: int = 4096,
     ) -> None:
         if temperature <= 0:
             raise ValueError("temperature must be > 0")
@@ -61,6 +64,7 @@ class TorchEngine:
         if pad_id is None:
             pad_id = tokenizer.pad_token_id if tokenizer is not None else None
         self.pad_id = int(pad_id) if pad_id is not None else min(self.eos_ids)
+        self.prefill_tokens = int(prefill_tokens)
         self.device = next(model.parameters()).device
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._weights_lock = threading.Lock()  # held for a whole generate(): C1
@@ -94,11 +98,7 @@ class TorchEngine:
         on_finish: FinishCallback | None = None,
     ) -> list[GenResult]:
         """Generate every request (see :class:`~.engine.Engine`); results in request order."""
-        if chunk_tokens < 1:
-            raise ValueError("chunk_tokens must be >= 1")
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("duplicate request ids in one generate() call")
+        ids = checked_ids(requests, chunk_tokens)
         with self._weights_lock, torch.no_grad():
             try:
                 return _Run(self, requests, on_chunk, chunk_tokens, on_finish).run()
@@ -169,24 +169,77 @@ class _Run:
         assert all(r is not None for r in self.results)
         return [r for r in self.results if r is not None]
 
+    def _prefill(self, seqs: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill a KV cache for ``seqs``; returns ``(cache, last_logits [B, V], mask [B, W], last_pos [B, 1])``.
+
+        Identical sequences (a GRPO group's copies of one prompt) are computed once and their cache
+        rows repeated; distinct ones are computed in length-sorted chunks of at most
+        ``prefill_tokens`` padded tokens, then left-padded to a common width ``W`` (padding masked
+        out). Same result as one left-padded forward over the whole batch, without its padding.
+        """
+        eng, dev = self.eng, self.eng.device
+        width = max(len(s) for s in seqs)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            mask[b, width - len(s):] = 1
+        mask = mask.to(dev)
+        last_pos = torch.tensor([[len(s) - 1] for s in seqs], dtype=torch.long, device=dev)
+        cache = DynamicCache(config=eng.model.config)
+        if not _trimmable(cache):  # unknown layer types: one padded forward
+            chunks_in: list[list[list[int]]] = [seqs]
+            expand = list(range(len(seqs)))
+        else:
+            uniq: dict[tuple[int, ...], int] = {}
+            row_u = [uniq.setdefault(tuple(s), len(uniq)) for s in seqs]
+            keys = list(uniq)
+            order = sorted(range(len(keys)), key=lambda u: len(keys[u]))
+            rank = {u: r for r, u in enumerate(order)}
+            expand = [rank[u] for u in row_u]
+            chunks_in = []
+            cur: list[list[int]] = []
+            for u in order:
+                if cur and (len(cur) + 1) * len(keys[u]) > eng.prefill_tokens:
+                    chunks_in.append(cur)
+                    cur = []
+                cur.append(list(keys[u]))
+            chunks_in.append(cur)
+        logits, parts = [], []
+        for chunk in chunks_in:
+            w = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), w), eng.pad_id, dtype=torch.long)
+            m = torch.zeros((len(chunk), w), dtype=torch.long)
+            for b, s in enumerate(chunk):
+                ids[b, w - len(s):] = torch.tensor(s, dtype=torch.long)
+                m[b, w - len(s):] = 1
+            ids, m = ids.to(dev), m.to(dev)
+            part = DynamicCache(config=eng.model.config) if len(chunks_in) > 1 else cache
+            out = eng.model(input_ids=ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
+                            past_key_values=part, use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[:, -1, :])
+            parts.append(part)
+        idx = torch.tensor(expand, dtype=torch.long, device=dev)
+        if len(parts) > 1:
+            for li, layer in enumerate(cache.layers):
+                ks, vs = [], []
+                for part in parts:
+                    pl = part.layers[li]
+                    assert isinstance(pl, DynamicLayer) and pl.keys is not None and pl.values is not None
+                    pad = (0, 0, width - pl.keys.shape[-2], 0)
+                    ks.append(torch.nn.functional.pad(pl.keys, pad))
+                    vs.append(torch.nn.functional.pad(pl.values, pad))
+                assert isinstance(layer, DynamicLayer)
+                layer.update(torch.cat(ks)[idx], torch.cat(vs)[idx])
+        elif expand != list(range(len(seqs))):
+            cache.batch_select_indices(idx)
+        return cache, torch.cat(logits)[idx], mask, last_pos
+
     def _decode(self, rows: list[int]) -> None:
         eng, dev = self.eng, self.eng.device
-        seqs = [self.requests[i].prompt_ids + self.requests[i].partial_ids for i in rows]
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(rows), width), eng.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            input_ids[b, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[b, width - len(s):] = 1
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=eng.model.config)
-        out = eng.model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-        last_pos = pos[:, -1:]
+        cache, last_logits, mask, last_pos = self._prefill(
+            [self.requests[i].prompt_ids + self.requests[i].partial_ids for i in rows])
         alive = list(rows)
         while True:
-            logp = torch.log_softmax(out.logits[:, -1, :].float() / eng.temperature, dim=-1)
+            logp = torch.log_softmax(last_logits.float() / eng.temperature, dim=-1)
             nxt = torch.multinomial(logp.exp(), 1, generator=eng._gen)  # [B, 1]
             nlp = logp.gather(-1, nxt)[:, 0]
             now = time.time()
@@ -225,6 +278,7 @@ class _Run:
                 rows = alive
             out = eng.model(input_ids=nxt, attention_mask=mask, position_ids=last_pos,
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            last_logits = out.logits[:, -1, :]
 
 
 def _trimmable(cache: DynamicCache) -> bool:
