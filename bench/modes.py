@@ -37,6 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOAD: dict[str, Any] = {
     "train_batch_size": 64, "group_size": 8, "num_instances": 2, "instance_concurrency": 64,
     "max_new_tokens": 256, "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 7,
+    "ppo_epochs": 1, "minibatches": 1,
     "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.02, "prefill_s_per_token": 2e-5},
 }
 
