@@ -39,19 +39,19 @@ class DoraConfig:
     steps: int = 30
     """Training steps (policy updates) to run."""
 
-    train_batch_size: int = 128
-    """TBS, in trajectories; a multiple of ``group_size``."""
+    train_batch_size: int = 512
+    """TBS, in trajectories; a multiple of ``group_size`` (default: 128 prompts x 4)."""
 
-    rollout_batch_size: int = 128
+    rollout_batch_size: int = 512
     """RBS: trajectories kept in flight (dispatched, not yet consumed). > TBS over-provisions."""
 
-    group_size: int = 8
+    group_size: int = 4
     """G: responses sampled per prompt; the GRPO baseline is the group mean."""
 
     num_instances: int = 1
     """Rollout instances (processes), each holding exactly one policy version at a time."""
 
-    instance_concurrency: int = 128
+    instance_concurrency: int = 512
     """Maximum trajectories one instance decodes at once (its batch capacity)."""
 
     max_new_tokens: int = 128
@@ -94,10 +94,10 @@ class DoraConfig:
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token by min(ratio, cap) (None disables)."""
 
-    ppo_epochs: int = 2
+    ppo_epochs: int = 1
     """Passes over each batch per training step."""
 
-    minibatches: int = 2
+    minibatches: int = 4
     """Optimizer steps per epoch (the batch is split evenly)."""
 
     weight_transport: WeightTransport = "ucx"
