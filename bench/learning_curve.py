@@ -8,8 +8,8 @@ RL well under ~6 minutes on the 2-core box (1 thread per process).
 
 Each RL step: generate P x G rollouts (cap ``max_new`` tokens), score them, GRPO advantages
 ``(r - mean_g) / (std_g + 1e-4)``, then ``epochs`` x ``minibatches`` AdamW steps of the PPO clip loss
-against the engine's behaviour log-probs (token-level normalised), then the engine gets the new
-weights (same object here, so nothing to copy).
+against the engine's behaviour log-probs (the trainer role's own :func:`policy_update`), then the
+engine gets the new weights (same object here, so nothing to copy).
 
 Usage::
 
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from dora_rl.consumers.trainer.grpo import PPOConfig, group_advantages, ppo_update, warmup_cosine_schedule
+from dora_rl.consumers.trainer.grpo import warmup_cosine_schedule
 from dora_rl.consumers.trainer.sft import sft_warmup
+from dora_rl.consumers.trainer.update import Sample, policy_update
 from dora_rl.modeling import build_tiny_model, decode_completion, encode_prompt, load_policy
 from dora_rl.producers.rollout.engine import GenRequest
 from dora_rl.producers.rollout.torch_engine import TorchEngine
@@ -49,14 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sft-max-chars", type=int, default=16)
     ap.add_argument("--rl-steps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=128, help="prompts per RL step (P)")
-    ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--max-new", type=int, default=128, help="length cap (new tokens)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=10, help="RL lr warm-up, in optimizer steps")
-    ap.add_argument("--adv", choices=["grpo", "drgrpo"], default="grpo",
-                    help="grpo: (r - mean_g) / (std_g + eps); drgrpo: r - mean_g")
+    ap.add_argument("--loss", choices=["grpo", "ppo"], default="grpo",
+                    help="advantages: grpo (r - mean_g) / (std_g + eps); ppo r - mean_g")
+    ap.add_argument("--final-lr-frac", type=float, default=1.0,
+                    help="cosine decay of the RL lr to this fraction at the last step (1.0: constant)")
     ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--minibatches", type=int, default=2)
+    ap.add_argument("--minibatches", type=int, default=8)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--eval", type=int, default=0,
@@ -79,10 +82,9 @@ def run_seed(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, An
 
     engine = TorchEngine(model, tok, temperature=args.temperature, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = warmup_cosine_schedule(opt, args.warmup)
-    cfg = PPOConfig(epochs=args.epochs, minibatches=args.minibatches, clip_eps=args.clip,
-                    temperature=args.temperature)
-    rng, upd_rng = random.Random(10_000 + seed), random.Random(20_000 + seed)
+    opt_steps = args.rl_steps * args.epochs * args.minibatches if args.final_lr_frac < 1.0 else None
+    sched = warmup_cosine_schedule(opt, args.warmup, opt_steps, args.final_lr_frac)
+    rng = random.Random(10_000 + seed)
     eval_rng = random.Random(30_000 + seed)
     held_out = [task.sample(eval_rng) for _ in range(args.eval)]
     t_eval = 0.0
@@ -110,11 +112,11 @@ def run_seed(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, An
         t_gen = time.perf_counter() - t0
         rewards = [task.reward(problems[k // args.group].reference, decode_completion(tok, r.token_ids))
                    for k, r in enumerate(results)]
-        adv = group_advantages(torch.tensor(rewards), torch.arange(len(results)) // args.group,
-                               scale=args.adv == "grpo")
-        upd = ppo_update(model, opt, [q.prompt_ids for q in reqs], [r.token_ids for r in results],
-                         [r.logprobs for r in results], adv, cfg, upd_rng, pad_id=int(tok.pad_token_id),
-                         scheduler=sched)
+        samples = [Sample(q.prompt_ids, r.token_ids, r.logprobs, rew, str(k // args.group))
+                   for k, (q, r, rew) in enumerate(zip(reqs, results, rewards, strict=True))]
+        upd = policy_update(model, opt, samples, loss=args.loss, clip_eps=args.clip, ppo_epochs=args.epochs,
+                            minibatches=args.minibatches, temperature=args.temperature,
+                            pad_id=int(tok.pad_token_id), seed=20_000 + seed + step, lr_scheduler=sched)
         t_step = time.perf_counter() - t0
         lens = sorted(len(r.token_ids) for r in results)
         rec = {
@@ -122,14 +124,14 @@ def run_seed(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, An
             "exact": sum(r == 1.0 for r in rewards) / len(rewards),
             "len_p50": lens[len(lens) // 2], "len_max": lens[-1],
             "capped": sum(r.finish_reason == "length" for r in results) / len(results),
-            "clip_frac": sum(u["clip_frac"] for u in upd) / len(upd),
-            "approx_kl": sum(u["approx_kl"] for u in upd) / len(upd),
-            "gen_s": t_gen, "step_s": t_step,
+            "clip_frac": upd["clip_frac"], "approx_kl": upd["approx_kl"],
+            "gen_s": t_gen, "train_s": upd["update_s"], "step_s": t_step,
         }
         steps.append(rec)
         print(f"[seed {seed}] step {step + 1:2d} reward {rec['reward']:.3f} exact {rec['exact']:.3f} "
               f"len p50/max {rec['len_p50']}/{rec['len_max']} capped {rec['capped']:.2f} "
-              f"clip {rec['clip_frac']:.3f} kl {rec['approx_kl']:+.4f} gen {t_gen:.1f}s step {t_step:.1f}s",
+              f"clip {rec['clip_frac']:.3f} kl {rec['approx_kl']:+.4f} gen {t_gen:.1f}s train {upd['update_s']:.1f}s "
+              f"step {t_step:.1f}s",
               flush=True)
     eval_after = evaluate()
     rewards_by_step = [s["reward"] for s in steps]

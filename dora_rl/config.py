@@ -39,19 +39,19 @@ class DoraConfig:
     steps: int = 30
     """Training steps (policy updates) to run."""
 
-    train_batch_size: int = 512
-    """TBS, in trajectories; a multiple of ``group_size`` (default: 128 prompts x 4)."""
+    train_batch_size: int = 1024
+    """TBS, in trajectories; a multiple of ``group_size`` (default: 128 prompts x 8)."""
 
-    rollout_batch_size: int = 512
+    rollout_batch_size: int = 1024
     """RBS: trajectories kept in flight (dispatched, not yet consumed). > TBS over-provisions."""
 
-    group_size: int = 4
+    group_size: int = 8
     """G: responses sampled per prompt; the GRPO baseline is the group mean."""
 
     num_instances: int = 1
     """Rollout instances (processes), each holding exactly one policy version at a time."""
 
-    instance_concurrency: int = 512
+    instance_concurrency: int = 1024
     """Maximum trajectories one instance decodes at once (its batch capacity)."""
 
     max_new_tokens: int = 128
@@ -97,8 +97,8 @@ class DoraConfig:
     ppo_epochs: int = 1
     """Passes over each batch per training step."""
 
-    minibatches: int = 4
-    """Optimizer steps per epoch (the batch is split evenly)."""
+    minibatches: int = 8
+    """Optimizer steps per epoch: the batch is split into this many minibatches of whole groups."""
 
     weight_transport: WeightTransport = "ucx"
     """How weights move from trainer to instances and between instances: ``ucx`` (default),

@@ -8,12 +8,12 @@ with ``mask[b, t] = 1`` on real response tokens (EOS included) and 0 on right pa
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4, scale: bool = True) -> Tensor:
@@ -76,15 +76,26 @@ def sequence_logprobs(
     response_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     pad_id: int = 0,
+    share_prompts: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of the responses: ``logp[b, t] = log softmax(logits / T)[response[b][t]]``.
 
     Exactly the quantity the rollout engine reports as behaviour log-probs (same temperature, logits
     upcast to fp32 before dividing by ``T``). Returns ``(logp [B, R] float32, mask [B, R] float32)``;
     padded positions hold 0 in both. Differentiable when called with grad enabled.
+
+    With ``share_prompts`` (default) and repeated prompts (a GRPO group's samples), each distinct
+    prompt is run once and its KV cache rows are repeated for its responses (gradients flow back
+    through the shared prefix); the result equals the plain path up to float rounding.
     """
-    ids, attn, pos, p_len = pack_sequences(prompt_ids, response_ids, pad_id)
     dev = next(model.parameters()).device
+    uniq: dict[tuple[int, ...], int] = {}
+    row_u = [uniq.setdefault(tuple(p), len(uniq)) for p in prompt_ids]
+    if share_prompts and len(uniq) < len(row_u) and len(prompt_ids) == len(response_ids):
+        cache = DynamicCache(config=getattr(model, "config", None))
+        if all(type(layer) is DynamicLayer for layer in cache.layers) and cache.layers:
+            return _shared_prefix_logprobs(model, list(uniq), row_u, response_ids, temperature, pad_id, cache)
+    ids, attn, pos, p_len = pack_sequences(prompt_ids, response_ids, pad_id)
     ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
     r_len = ids.shape[1] - p_len
     # Only the last R + 1 positions' logits are needed (saves memory for large vocabularies).
@@ -94,6 +105,41 @@ def sequence_logprobs(
     targets = ids[:, p_len:]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     mask = attn[:, p_len:].to(torch.float32)
+    return logp * mask, mask
+
+
+def _shared_prefix_logprobs(
+    model: torch.nn.Module, prompts: list[tuple[int, ...]], row_u: list[int],
+    response_ids: Sequence[Sequence[int]], temperature: float, pad_id: int, cache: DynamicCache,
+) -> tuple[Tensor, Tensor]:
+    """:func:`sequence_logprobs` with one forward per distinct prompt (see there)."""
+    dev = next(model.parameters()).device
+    p_ids, p_mask, p_pos, p_len = pack_sequences(prompts, [[] for _ in prompts], pad_id)
+    p_ids, p_mask, p_pos = p_ids[:, :p_len].to(dev), p_mask[:, :p_len].to(dev), p_pos[:, :p_len].to(dev)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    idx = torch.tensor(row_u, dtype=torch.long, device=dev)
+    first = out.logits[:, -1:, :][idx]  # predicts response token 0
+    r_len = max(1, max(len(r) for r in response_ids))
+    n = len(response_ids)
+    targets = torch.full((n, r_len), pad_id, dtype=torch.long)
+    r_mask = torch.zeros((n, r_len), dtype=torch.long)
+    for b, r in enumerate(response_ids):
+        if r:
+            targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+            r_mask[b, :len(r)] = 1
+    targets, r_mask = targets.to(dev), r_mask.to(dev)
+    logits = first
+    if r_len > 1:
+        cache.batch_select_indices(idx)
+        attn = torch.cat([p_mask[idx], r_mask[:, :-1]], dim=1)
+        pos = p_mask[idx].sum(-1, keepdim=True) + torch.arange(r_len - 1, device=dev)
+        rest = model(input_ids=targets[:, :-1], attention_mask=attn, position_ids=pos, past_key_values=cache,
+                     use_cache=True).logits
+        logits = torch.cat([first, rest], dim=1)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    mask = r_mask.to(torch.float32)
     return logp * mask, mask
 
 
@@ -162,30 +208,6 @@ def ppo_clip_loss(
     return loss, stats
 
 
-@dataclass(frozen=True)
-class PPOConfig:
-    """Knobs of :func:`ppo_update`.
-
-    ``epochs`` passes over the batch, each split into ``minibatches`` random minibatches (one optimizer
-    step each: ``epochs * minibatches`` steps per batch; with 1 x 1 the ratio is 1 and the update is
-    REINFORCE with the GRPO baseline). ``micro_tokens`` bounds the padded ``B * (P + R)`` size of one
-    forward/backward (micro-batches are length-sorted to avoid padding; gradients are accumulated
-    and normalised by the minibatch's token count, so micro-batching never changes the update).
-    ``skip_zero_advantage`` leaves trajectories with ``A == 0`` (e.g. GRPO groups whose rewards are all
-    equal) out of the forward/backward but keeps their tokens in the normaliser: the update is
-    unchanged (their per-token loss is exactly 0), only faster.
-    """
-
-    epochs: int = 1
-    minibatches: int = 1
-    clip_eps: float = 0.2
-    tis_cap: float | None = None
-    temperature: float = 1.0
-    micro_tokens: int = 2048
-    grad_clip: float = 1.0
-    skip_zero_advantage: bool = True
-
-
 def warmup_cosine_schedule(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int | None = None,
     final_lr_frac: float = 1.0,
@@ -208,76 +230,6 @@ def warmup_cosine_schedule(
         return final_lr_frac + (1.0 - final_lr_frac) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _pad_right(rows: Sequence[Sequence[float]], width: int) -> Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for b, r in enumerate(rows):
-        if r:
-            out[b, :len(r)] = torch.tensor(list(r), dtype=torch.float32)
-    return out
-
-
-def ppo_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    prompt_ids: Sequence[Sequence[int]],
-    response_ids: Sequence[Sequence[int]],
-    behaviour_logps: Sequence[Sequence[float]],
-    advantages: Tensor,
-    cfg: PPOConfig,
-    rng: random.Random,
-    pad_id: int = 0,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-) -> list[dict[str, float]]:
-    """PPO/GRPO optimisation of one batch of trajectories with :func:`ppo_clip_loss`.
-
-    ``advantages[i]`` is trajectory ``i``'s (e.g. :func:`group_advantages`). Returns one stats dict
-    per optimizer step (token-weighted means of the loss stats, plus ``loss`` and ``grad_norm``);
-    ``scheduler`` (e.g. :func:`warmup_cosine_schedule`) is stepped after every optimizer step.
-    The model is left in ``eval()`` mode.
-    """
-    n = len(prompt_ids)
-    if not n == len(response_ids) == len(behaviour_logps) == advantages.numel():
-        raise ValueError("prompt_ids, response_ids, behaviour_logps and advantages differ in length")
-    dev = next(model.parameters()).device
-    out: list[dict[str, float]] = []
-    model.train()
-    for _ in range(cfg.epochs):
-        order = list(range(n))
-        rng.shuffle(order)
-        for k in range(cfg.minibatches):
-            mb = order[k * n // cfg.minibatches:(k + 1) * n // cfg.minibatches]
-            n_tok = float(sum(len(response_ids[i]) for i in mb))
-            if cfg.skip_zero_advantage:  # exact: their loss and gradient are identically 0
-                mb = [i for i in mb if float(advantages[i]) != 0.0]
-            if not mb or n_tok == 0:
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            agg: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0,
-                                     "ratio_max": 0.0, "n_tokens": 0.0}
-            for micro in micro_batches(sorted(mb, key=lambda i: len(prompt_ids[i]) + len(response_ids[i])),
-                                        prompt_ids, response_ids, cfg.micro_tokens):
-                new_lp, mask = sequence_logprobs(model, [prompt_ids[i] for i in micro],
-                                                 [response_ids[i] for i in micro], cfg.temperature, pad_id)
-                beh = _pad_right([behaviour_logps[i] for i in micro], new_lp.shape[1]).to(dev)
-                loss, st = ppo_clip_loss(new_lp, beh, advantages[micro].to(dev), mask, cfg.clip_eps,
-                                         cfg.tis_cap, num_tokens=n_tok)
-                loss.backward()
-                agg["loss"] += float(loss.detach())
-                for key in ("clip_frac", "approx_kl", "ratio_mean"):
-                    agg[key] += st[key] * st["n_tokens"] / n_tok
-                agg["ratio_max"] = max(agg["ratio_max"], st["ratio_max"])
-                agg["n_tokens"] += st["n_tokens"]
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0
-                                                  else float("inf"))
-            agg["grad_norm"] = float(norm)
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            out.append(agg)
-    model.eval()
-    return out
 
 
 def micro_batches(

@@ -129,8 +129,9 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 metrics.emit("wait_s", waited, step=step)
                 metrics.emit("idle_ratio", idle_s / max(idle_s + busy_s, 1e-9), step=step)
                 producer.flush()
-                log.info("step %d: reward %.3f loss %.4f tokens %d (%.2fs, waited %.2fs)", step,
-                         stats["reward_mean"], stats["loss"], stats["trained_tokens"], step_s, waited)
+                log.info("step %d: reward %.3f loss %.4f tokens %d (%.2fs, update %.2fs, waited %.2fs)", step,
+                         stats["reward_mean"], stats["loss"], stats["trained_tokens"], step_s, stats["update_s"],
+                         waited)
                 step += 1
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     save_checkpoint(model, tok, run_dir / "checkpoints" / f"v{step:06d}")

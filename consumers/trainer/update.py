@@ -1,12 +1,20 @@
-"""One policy update from one training batch (pure torch; no Kafka).
+"""One policy update from one training batch (pure torch; no Kafka) — the only RL update in the repo.
 
 Given a batch of trajectories (prompt ids, response ids, behaviour log-probs, rewards, group ids):
 
 1. advantages ``A_i`` per trajectory: GRPO ``(r_i - mean_g) / (std_g + eps)``, or PPO-style
    ``r_i - mean_g`` (``loss = "ppo"``), over each trajectory's group ``g``;
-2. ``ppo_epochs`` passes, each split into ``minibatches`` optimizer steps, of the clipped
-   surrogate against the behaviour log-probs (token-level mean over the minibatch);
-3. gradient-norm clipping at 1.0, AdamW.
+2. ``ppo_epochs`` passes, each split into ``minibatches`` optimizer steps of whole groups (shuffled
+   per epoch), of the clipped surrogate against the behaviour log-probs, normalised by the
+   minibatch's response-token count;
+3. gradient-norm clipping at ``grad_clip``, the optimizer step, then the LR scheduler's step.
+
+Exactness invariants (tested): micro-batching never changes the update — a minibatch is computed in
+micro-batches of at most ``micro_tokens`` padded tokens whose gradients accumulate, each divided by
+the minibatch's token count, so their sum is the one-batch token mean; trajectories with ``A == 0``
+(e.g. a group whose rewards are all equal) are left out of the forward/backward but kept in the
+token count, since their loss and gradient are identically 0. Micro-batches are ordered by prompt,
+so a group's samples share one prompt forward (:func:`~.grpo.sequence_logprobs`).
 
 Returns python-float statistics of the step (loss, clip fraction, approx KL, reward mean, tokens).
 """
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .grpo import group_advantages, ppo_clip_loss, sequence_logprobs
+from .grpo import group_advantages, micro_batches, ppo_clip_loss, sequence_logprobs
 
 
 @dataclass(frozen=True)
@@ -45,84 +53,90 @@ def compute_advantages(samples: Sequence[Sample], loss: str = "grpo") -> torch.T
     return rewards - means[index]
 
 
-def length_buckets(samples: Sequence[Sample], index: list[int], micro_tokens: int) -> list[list[int]]:
-    """``index`` split into micro-batches of similar length, each with at most ``micro_tokens``
-    padded tokens (rows x longest row), longest first; a row longer than the budget is alone."""
-    order = sorted(range(len(samples)), key=lambda j: -(len(samples[j].prompt_ids) + len(samples[j].response_ids)))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    width = 0
-    for j in order:
-        w = len(samples[j].prompt_ids) + len(samples[j].response_ids)
-        if cur and max(width, w) * (len(cur) + 1) > micro_tokens:
-            out.append(cur)
-            cur, width = [], 0
-        cur.append(index[j])
-        width = max(width, w)
-    if cur:
-        out.append(cur)
-    return out
+def group_minibatches(samples: Sequence[Sample], minibatches: int, gen: np.random.Generator) -> list[list[int]]:
+    """Sample indices split into ``minibatches`` chunks of whole groups, groups in a random order.
+
+    Every index appears exactly once; chunks differ in group count by at most one (empty chunks
+    are dropped when there are fewer groups than ``minibatches``).
+    """
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s.group_id, []).append(i)
+    groups = list(by_group.values())
+    order = gen.permutation(len(groups))
+    chunks = [[i for g in part for i in groups[int(g)]] for part in np.array_split(order, max(1, minibatches))]
+    return [c for c in chunks if c]
+
+
+def prompt_order(samples: Sequence[Sample], index: Sequence[int]) -> list[int]:
+    """``index`` sorted by prompt length, then prompt, then response length: a group stays together
+    (one shared prompt forward) and rows of similar length share a micro-batch (little padding)."""
+    return sorted(index, key=lambda i: (len(samples[i].prompt_ids), tuple(samples[i].prompt_ids),
+                                        len(samples[i].response_ids)))
 
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
                   *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = None,
                   ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
-                  seed: int = 0, micro_tokens: int = 8192,
+                  seed: int = 0, micro_tokens: int = 1024, grad_clip: float = 1.0,
                   lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
-    """Apply one training step on ``samples``; returns statistics.
+    """Apply one training step on ``samples`` (see the module docstring); returns statistics.
 
-    Each optimizer step's sequences are sorted by length and cut into micro-batches of at most
-    ``micro_tokens`` padded tokens whose gradients accumulate (long-tailed lengths would
-    otherwise pad every row to the longest one); the loss is normalised by the optimizer step's
-    total response tokens, so the result equals one big batch up to float rounding.
+    Stats: ``loss`` and ``grad_norm`` are means over optimizer steps; ``clip_frac``, ``approx_kl``,
+    ``ratio_mean`` are token-weighted means over everything trained; ``ratio_max`` the maximum;
+    ``optimizer_steps``; ``reward_mean``/``reward_std``/``trained_tokens``/``response_len_mean`` of the
+    batch; ``update_s`` the wall time. The model is left in ``eval()`` mode.
     """
     t0 = time.perf_counter()
     samples = [s for s in samples if len(s.response_ids) > 0]
     if not samples:
         raise ValueError("batch has no trajectory with a response")
     adv = compute_advantages(samples, loss)
+    dev = next(model.parameters()).device
     gen = np.random.default_rng(seed)
+    prompts = [s.prompt_ids for s in samples]
+    responses = [s.response_ids for s in samples]
+    weighted = {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
+    seen_tokens, ratio_max = 0.0, 1.0
+    losses: list[float] = []
+    norms: list[float] = []
     model.train()
-    stats_acc: dict[str, list[float]] = {}
-    n = len(samples)
     for _ in range(ppo_epochs):
-        order = gen.permutation(n)
-        for chunk in np.array_split(order, minibatches):
-            if len(chunk) == 0:
-                continue
-            mb_tokens = float(sum(len(samples[i].response_ids) for i in chunk))
+        for chunk in group_minibatches(samples, minibatches, gen):
+            mb_tokens = float(sum(len(responses[i]) for i in chunk))
+            live = [i for i in chunk if float(adv[i]) != 0.0]  # exact: A == 0 rows have zero loss and gradient
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for micro in length_buckets([samples[i] for i in chunk], list(chunk), micro_tokens):
-                mb = [samples[i] for i in micro]
-                new_logp, mask = sequence_logprobs(model, [s.prompt_ids for s in mb],
-                                                   [s.response_ids for s in mb], temperature=temperature,
+            for micro in micro_batches(prompt_order(samples, live), prompts, responses, micro_tokens):
+                new_logp, mask = sequence_logprobs(model, [prompts[i] for i in micro],
+                                                   [responses[i] for i in micro], temperature=temperature,
                                                    pad_id=pad_id)
                 beh = torch.zeros_like(new_logp)
-                for row, s in enumerate(mb):
-                    beh[row, : len(s.behaviour_logprobs)] = torch.as_tensor(
-                        np.asarray(s.behaviour_logprobs, dtype=np.float32))
-                loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)], mask, clip_eps, tis_cap,
-                                           num_tokens=mb_tokens)
+                for row, i in enumerate(micro):
+                    lp = np.asarray(samples[i].behaviour_logprobs, dtype=np.float32)
+                    beh[row, : len(lp)] = torch.from_numpy(lp).to(dev)
+                loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)].to(dev), mask, clip_eps,
+                                           tis_cap, num_tokens=mb_tokens)
                 loss_t.backward()  # gradients accumulate: the sum over micro-batches is the token mean
                 total += float(loss_t.detach())
-                w = float(mask.sum()) / mb_tokens
-                for k, v in st.items():
-                    stats_acc.setdefault(k, []).append(float(v) * w)
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for k in weighted:
+                    weighted[k] += st[k] * st["n_tokens"]
+                seen_tokens += st["n_tokens"]
+                ratio_max = max(ratio_max, st["ratio_max"])
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
             optimizer.step()
             if lr_scheduler is not None:
                 lr_scheduler.step()
-            stats_acc.setdefault("loss", []).append(total)
-            stats_acc.setdefault("grad_norm", []).append(float(gnorm))
+            losses.append(total)
+            norms.append(float(norm))
     model.eval()
-    steps_taken = ppo_epochs * min(minibatches, n)
-    out = {k: float(np.sum(v) / steps_taken) if k not in ("loss", "grad_norm") else float(np.mean(v))
-           for k, v in stats_acc.items()}
+    out = {k: v / seen_tokens if seen_tokens else 0.0 for k, v in weighted.items()}
+    out.update(loss=float(np.mean(losses)), grad_norm=float(np.mean(norms)), ratio_max=ratio_max,
+               optimizer_steps=float(len(losses)))
     rewards = np.array([s.reward for s in samples])
     out["reward_mean"] = float(rewards.mean())
     out["reward_std"] = float(rewards.std())
-    out["trained_tokens"] = float(sum(len(s.response_ids) for s in samples))
+    out["trained_tokens"] = float(sum(len(r) for r in responses))
     out["response_len_mean"] = out["trained_tokens"] / len(samples)
     out["update_s"] = time.perf_counter() - t0
     return out

@@ -16,10 +16,8 @@ import pytest
 import torch
 
 from dora_rl.consumers.trainer.grpo import (
-    PPOConfig,
     group_advantages,
     ppo_clip_loss,
-    ppo_update,
     sequence_logprobs,
 )
 from dora_rl.consumers.trainer.sft import sft_warmup
@@ -265,24 +263,28 @@ def test_sequence_logprobs_padding_invariant(tiny) -> None:
     assert torch.allclose(alone[0, :3], batch[0, :3], atol=1e-5)
 
 
-def test_ppo_update_microbatching_and_zero_advantage_skip_are_exact(tiny, tmp_path: Path) -> None:
-    path, _, _tok = tiny
+def test_shared_prompt_logprobs_equal_the_plain_path_with_gradients(tiny) -> None:
+    """A GRPO group's samples share one prompt forward (KV cache rows repeated): same log-probs and
+    the same gradients as running every row on its own."""
+    path, _, _ = tiny
     rng = random.Random(0)
-    prompts = [[1, *rng.choices(range(4, 14), k=rng.randint(2, 20)), 44] for _ in range(12)]
-    responses = [[*rng.choices(range(4, 14), k=rng.randint(1, 15)), 2] for _ in range(12)]
-    adv = torch.tensor([0.0, 1.0, -1.0, 0.5] * 3)
-    finals = []
-    for cfg in (PPOConfig(micro_tokens=10**9, skip_zero_advantage=False), PPOConfig(micro_tokens=64)):
+    prompts, responses = [], []
+    for _ in range(5):
+        p = [1, *rng.choices(range(4, 14), k=rng.randint(2, 20)), 44]
+        for _ in range(3):
+            prompts.append(p)
+            responses.append([*rng.choices(range(4, 14), k=rng.randint(0, 15)), 2])
+    grads = []
+    for share in (False, True):
         model, _ = load_policy(path)
-        with torch.no_grad():
-            beh, _ = sequence_logprobs(model, prompts, responses)
-        beh_rows = [beh[i, :len(r)].tolist() for i, r in enumerate(responses)]
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        stats = ppo_update(model, opt, prompts, responses, beh_rows, adv, cfg, random.Random(1))
-        assert len(stats) == 1 and stats[0]["n_tokens"] > 0
-        finals.append(state_dict_for_transfer(model))
-    for k in finals[0]:
-        assert torch.allclose(finals[0][k], finals[1][k], atol=1e-6), k
+        lp, mask = sequence_logprobs(model, prompts, responses, share_prompts=share)
+        (lp * torch.linspace(0.5, 1.5, lp.shape[1])).sum().backward()
+        grads.append((lp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, m0, g0), (lp1, m1, g1) = grads
+    assert torch.equal(m0, m1)
+    assert torch.allclose(lp0, lp1, atol=1e-5)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
 
 
 def test_sft_warmup_learns(tiny) -> None:
