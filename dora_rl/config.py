@@ -91,8 +91,15 @@ class DoraConfig:
     clip_eps: float = 0.2
     """PPO/GRPO clip range: ratio is clipped to [1 - eps, 1 + eps]."""
 
-    tis_cap: float | None = None
-    """Truncated importance sampling: weight each token by min(ratio, cap) (None disables)."""
+    decoupled_ppo: bool = True
+    """Decoupled PPO for batches holding stale trajectories (staleness > 0): clip against the
+    trainer's own log-probs at the start of the update (the proximal policy) instead of the
+    behaviour log-probs, and correct behaviour→proximal with importance weights capped at
+    ``tis_cap``. Fresh batches (sync) train exactly as without it."""
+
+    tis_cap: float | None = 5.0
+    """Decoupled PPO's cap on the per-token weight ``exp(proximal - behaviour)`` (truncated
+    importance sampling); None trains stale tokens without the correction (weight 1)."""
 
     ppo_epochs: int = 1
     """Passes over each batch per training step."""

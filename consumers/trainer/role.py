@@ -110,11 +110,12 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 samples = [Sample(t.prompt_ids.tolist(), t.response_ids.tolist(), t.behaviour_logprobs.tolist(),
                                   float(t.reward or 0.0),
                                   t.group_id) for t in batch.trajectories]
+                stale = batch.staleness()
                 stats = policy_update(model, optimizer, samples, loss=config.loss, clip_eps=config.clip_eps,
                                       tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
                                       minibatches=config.minibatches, temperature=config.temperature,
-                                      pad_id=pad_id, seed=config.seed + step, lr_scheduler=lr_schedule)
-                stale = batch.staleness()
+                                      pad_id=pad_id, seed=config.seed + step, lr_scheduler=lr_schedule,
+                                      decoupled=config.decoupled_ppo and max(stale) > 0)
                 stats["staleness_max"] = float(max(stale))
                 stats["staleness_mean"] = float(sum(stale) / len(stale))
                 announce(step + 1, stats)
@@ -122,7 +123,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
                 for name in ("reward_mean", "loss", "trained_tokens", "clip_frac", "approx_kl",
-                             "staleness_max", "response_len_mean"):
+                             "staleness_max", "response_len_mean", "tis_weight_mean"):
                     if name in stats:
                         metrics.emit(name, stats[name], step=step, version=step + 1)
                 metrics.emit("train_s", step_s, step=step)

@@ -16,6 +16,14 @@ the minibatch's token count, so their sum is the one-batch token mean; trajector
 token count, since their loss and gradient are identically 0. Micro-batches are ordered by prompt,
 so a group's samples share one prompt forward (:func:`~.grpo.sequence_logprobs`).
 
+Decoupled PPO (``decoupled=True``, for batches holding stale trajectories): before the first optimizer
+step, the log-probs of every trained trajectory under the current weights (the *proximal* policy)
+are computed without gradient; the clip then trusts the proximal policy, and each token is weighted
+by ``min(exp(proximal - behaviour), tis_cap)`` to correct the behaviour→proximal gap. Without it, a
+trajectory one version old starts an update with ``ratio = pi_v / pi_(v-1)`` already outside the clip
+range on many tokens (measured: clip fraction 0.2–0.3, approx KL 0.1–0.24 at staleness 1), whose
+gradients the clip then zeroes. With ``proximal == behaviour`` (fresh data) both are the same update.
+
 Returns python-float statistics of the step (loss, clip fraction, approx KL, reward mean, tokens).
 """
 
@@ -75,17 +83,32 @@ def prompt_order(samples: Sequence[Sample], index: Sequence[int]) -> list[int]:
                                         len(samples[i].response_ids)))
 
 
+@torch.no_grad()
+def proximal_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                      order: list[int], temperature: float, pad_id: int, micro_tokens: int) -> dict[int, torch.Tensor]:
+    """Log-probs of ``responses[i]`` (``i`` in ``order``) under the model's current weights, no gradient:
+    ``{i: logp [len(responses[i])]}`` — the proximal policy of decoupled PPO."""
+    out: dict[int, torch.Tensor] = {}
+    for micro in micro_batches(order, prompts, responses, micro_tokens):
+        logp, _ = sequence_logprobs(model, [prompts[i] for i in micro], [responses[i] for i in micro],
+                                    temperature=temperature, pad_id=pad_id)
+        for row, i in enumerate(micro):
+            out[i] = logp[row, : len(responses[i])].clone()
+    return out
+
+
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[Sample],
-                  *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = None,
+                  *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = 5.0,
                   ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
-                  seed: int = 0, micro_tokens: int = 1024, grad_clip: float = 1.0,
+                  seed: int = 0, micro_tokens: int = 1024, grad_clip: float = 1.0, decoupled: bool = False,
                   lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
     """Apply one training step on ``samples`` (see the module docstring); returns statistics.
 
     Stats: ``loss`` and ``grad_norm`` are means over optimizer steps; ``clip_frac``, ``approx_kl``,
     ``ratio_mean`` are token-weighted means over everything trained; ``ratio_max`` the maximum;
-    ``optimizer_steps``; ``reward_mean``/``reward_std``/``trained_tokens``/``response_len_mean`` of the
-    batch; ``update_s`` the wall time. The model is left in ``eval()`` mode.
+    ``optimizer_steps``; ``tis_weight_mean`` (decoupled only); ``reward_mean``/``reward_std``/
+    ``trained_tokens``/``response_len_mean`` of the batch; ``update_s`` the wall time.
+    The model is left in ``eval()`` mode.
     """
     t0 = time.perf_counter()
     samples = [s for s in samples if len(s.response_ids) > 0]
@@ -97,6 +120,11 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     prompts = [s.prompt_ids for s in samples]
     responses = [s.response_ids for s in samples]
     weighted = {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
+    if decoupled:
+        weighted["tis_weight_mean"] = 0.0
+    live_all = [i for i in range(len(samples)) if float(adv[i]) != 0.0]
+    proximal = (proximal_logprobs(model, prompts, responses, prompt_order(samples, live_all), temperature, pad_id,
+                                  micro_tokens) if decoupled else {})
     seen_tokens, ratio_max = 0.0, 1.0
     losses: list[float] = []
     norms: list[float] = []
@@ -115,12 +143,17 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
                 for row, i in enumerate(micro):
                     lp = np.asarray(samples[i].behaviour_logprobs, dtype=np.float32)
                     beh[row, : len(lp)] = torch.from_numpy(lp).to(dev)
+                prox = None
+                if decoupled:
+                    prox = torch.zeros_like(new_logp)
+                    for row, i in enumerate(micro):
+                        prox[row, : len(proximal[i])] = proximal[i]
                 loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)].to(dev), mask, clip_eps,
-                                           tis_cap, num_tokens=mb_tokens)
+                                           tis_cap if decoupled else None, proximal_logp=prox, num_tokens=mb_tokens)
                 loss_t.backward()  # gradients accumulate: the sum over micro-batches is the token mean
                 total += float(loss_t.detach())
                 for k in weighted:
-                    weighted[k] += st[k] * st["n_tokens"]
+                    weighted[k] += st.get(k, 0.0) * st["n_tokens"]
                 seen_tokens += st["n_tokens"]
                 ratio_max = max(ratio_max, st["ratio_max"])
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))

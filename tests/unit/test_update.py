@@ -93,3 +93,28 @@ def test_zero_advantage_skip_and_grouping_do_not_change_the_update(tmp_path) -> 
     opt.step()
     for (n1, p1), (_, p2) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.allclose(p1, p2, atol=1e-6), n1
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Stale behaviour log-probs (here: the current ones - 0.5) put every ratio at e^0.5 > 1 + eps, so
+    plain PPO clips the A > 0 tokens; decoupled PPO starts at ratio 1 (proximal = current weights) and
+    weighs tokens by exp(proximal - behaviour) = e^0.5. With fresh data both give the same update."""
+    from dora_rl.consumers.trainer.grpo import sequence_logprobs
+
+    model, _ = load_policy(build_tiny_model(tmp_path / "m", seed=7))
+    base = _samples()
+    with torch.no_grad():
+        cur, _ = sequence_logprobs(model, [s.prompt_ids for s in base], [s.response_ids for s in base])
+    fresh = [Sample(s.prompt_ids, s.response_ids, cur[i, : len(s.response_ids)].tolist(), s.reward, s.group_id)
+             for i, s in enumerate(base)]
+    stale = [Sample(s.prompt_ids, s.response_ids, [x - 0.5 for x in s.behaviour_logprobs], s.reward, s.group_id)
+             for s in fresh]
+    twins = [copy.deepcopy(model) for _ in range(4)]
+    plain = policy_update(twins[0], torch.optim.SGD(twins[0].parameters(), lr=0.1), stale)
+    dec = policy_update(twins[1], torch.optim.SGD(twins[1].parameters(), lr=0.1), stale, decoupled=True)
+    assert plain["clip_frac"] > 0.3 and dec["clip_frac"] == 0.0
+    assert abs(dec["tis_weight_mean"] - float(np.exp(0.5))) < 1e-4
+    policy_update(twins[2], torch.optim.SGD(twins[2].parameters(), lr=0.1), fresh)
+    policy_update(twins[3], torch.optim.SGD(twins[3].parameters(), lr=0.1), fresh, decoupled=True)
+    for (n1, p1), (_, p2) in zip(twins[2].named_parameters(), twins[3].named_parameters(), strict=True):
+        assert torch.allclose(p1, p2, atol=1e-5), n1
