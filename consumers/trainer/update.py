@@ -83,6 +83,14 @@ def prompt_order(samples: Sequence[Sample], index: Sequence[int]) -> list[int]:
                                         len(samples[i].response_ids)))
 
 
+def _pad_rows(index: Sequence[int], rows: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``rows[index[b]]`` right-padded with zeros into a tensor shaped like ``like`` ``[B, R]``."""
+    out = torch.zeros_like(like)
+    for b, i in enumerate(index):
+        out[b, : len(rows[i])] = rows[i]
+    return out
+
+
 @torch.no_grad()
 def proximal_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                       order: list[int], temperature: float, pad_id: int, micro_tokens: int) -> dict[int, torch.Tensor]:
@@ -122,7 +130,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     weighted = {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
     if decoupled:
         weighted["tis_weight_mean"] = 0.0
-    live_all = [i for i in range(len(samples)) if float(adv[i]) != 0.0]
+    live_all = [i for i in range(len(samples)) if float(adv[i]) != 0.0]  # exact: A == 0 rows have zero loss
+    live_set = set(live_all)
+    behaviour = {i: torch.from_numpy(np.asarray(samples[i].behaviour_logprobs, dtype=np.float32)).to(dev)
+                 for i in live_all}  # converted once, reused by every epoch
     proximal = (proximal_logprobs(model, prompts, responses, prompt_order(samples, live_all), temperature, pad_id,
                                   micro_tokens) if decoupled else {})
     seen_tokens, ratio_max = 0.0, 1.0
@@ -132,22 +143,15 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     for _ in range(ppo_epochs):
         for chunk in group_minibatches(samples, minibatches, gen):
             mb_tokens = float(sum(len(responses[i]) for i in chunk))
-            live = [i for i in chunk if float(adv[i]) != 0.0]  # exact: A == 0 rows have zero loss and gradient
+            live = [i for i in chunk if i in live_set]
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for micro in micro_batches(prompt_order(samples, live), prompts, responses, micro_tokens):
                 new_logp, mask = sequence_logprobs(model, [prompts[i] for i in micro],
                                                    [responses[i] for i in micro], temperature=temperature,
                                                    pad_id=pad_id)
-                beh = torch.zeros_like(new_logp)
-                for row, i in enumerate(micro):
-                    lp = np.asarray(samples[i].behaviour_logprobs, dtype=np.float32)
-                    beh[row, : len(lp)] = torch.from_numpy(lp).to(dev)
-                prox = None
-                if decoupled:
-                    prox = torch.zeros_like(new_logp)
-                    for row, i in enumerate(micro):
-                        prox[row, : len(proximal[i])] = proximal[i]
+                beh = _pad_rows(micro, behaviour, new_logp)
+                prox = _pad_rows(micro, proximal, new_logp) if decoupled else None
                 loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)].to(dev), mask, clip_eps,
                                            tis_cap if decoupled else None, proximal_logp=prox, num_tokens=mb_tokens)
                 loss_t.backward()  # gradients accumulate: the sum over micro-batches is the token mean
