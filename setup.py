@@ -3,6 +3,11 @@
 ``producers/`` -> ``dora_rl.producers``, ``consumers/`` -> ``dora_rl.consumers`` and so on; every
 sub-folder with an ``__init__.py`` becomes a sub-package. Nothing is installed under a generic
 top-level name.
+
+``dora_rl/<folder>`` is a committed symbolic link to ``../<folder>`` for each role folder, so the
+source tree *is* the ``dora_rl`` package as tools see it: mypy (``mypy -p dora_rl``), IDEs and
+import-linter follow it without a copy. Packaging still maps each folder explicitly (below), so
+the links are never followed twice; ``dora_rl``'s own sub-packages (``dora_rl.core``) are real folders.
 """
 
 from pathlib import Path
@@ -16,6 +21,9 @@ ROLE_FOLDERS = ("producers", "consumers", "schemas", "streams", "infra")
 def _packages() -> tuple[list[str], dict[str, str]]:
     packages = ["dora_rl"]
     package_dir = {"dora_rl": "dora_rl"}
+    for init in sorted((ROOT / "dora_rl").glob("*/__init__.py")):
+        if not init.parent.is_symlink():
+            packages.append(f"dora_rl.{init.parent.name}")
     for folder in ROLE_FOLDERS:
         for init in sorted((ROOT / folder).rglob("__init__.py")):
             rel = init.parent.relative_to(ROOT)

@@ -32,10 +32,10 @@ import torch
 from dora_rl.consumers.trainer.grpo import warmup_cosine_schedule
 from dora_rl.consumers.trainer.sft import sft_warmup
 from dora_rl.consumers.trainer.update import Sample, policy_update
+from dora_rl.core.tasks import get_task
 from dora_rl.modeling import build_tiny_model, decode_completion, encode_prompt, load_policy
 from dora_rl.producers.rollout.engine import GenRequest
 from dora_rl.producers.rollout.torch_engine import TorchEngine
-from dora_rl.producers.tasks import get_task
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

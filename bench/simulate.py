@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dora_rl.config import DoraConfig
-    from dora_rl.producers.rollout.emulated import EmulatedParams
+    from dora_rl.core.emulation import EmulatedParams
     from dora_rl.streams.simulator import simulate
 
     params = EmulatedParams(time_scale=0.0, base_step_s=0.03, seed=11)

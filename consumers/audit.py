@@ -99,6 +99,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                   dead_letters: Iterable[DeadLetter] = ()) -> AuditReport:
     """The audit as a pure function of a run's records."""
     rep = AuditReport(run_id, config.mode, config.max_staleness, config.train_batch_size)
+    bound = config.staleness_bound
     requested: dict[str, int] = {}
     group_members: dict[str, set[str]] = defaultdict(set)
     for r in requests:
@@ -138,10 +139,10 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
         for t in b.trajectories:
             batched[t.trajectory_id] += 1
             batch_of_group[t.group_id].add(int(b.train_step))
-            s = int(b.base_version) - int(t.policy_version)
+            s = bound.staleness(b.base_version, t.policy_version)
             stale_hist[s] += 1
             versions.add(int(t.policy_version))
-            if s > config.max_staleness or s < 0:
+            if not bound.allows(b.base_version, t.policy_version):
                 rep.c3_over_stale += 1
                 rep.examples.append(f"C3: {t.trajectory_id} staleness {s} in step {b.train_step}")
             check_trajectory(t, f"batch {b.train_step}")

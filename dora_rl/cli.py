@@ -2,7 +2,7 @@
 
     dora-rl run [--steps N] [--mode M] [--config F] [--json OUT]   the whole loop (embedded broker by default)
     dora-rl broker start|stop|status [--cluster]                   the embedded Kafka broker
-    dora-rl topics create|list                                      the topic catalogue
+    dora-rl topics create|list|doc [--check]                        the topic catalogue (doc: generated docs)
     dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index)
     dora-rl runs                                                    runs recorded on the cluster
     dora-rl monitor [--run ID] [--follow]                           live view of a run's metrics
@@ -92,6 +92,10 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
     from dora_rl.infra import topics
 
+    if args.action == "doc":  # docs/topics.md + README table from the catalogue; needs no broker
+        from dora_rl.infra.topic_docs import sync_docs
+
+        return sync_docs(check=args.check)
     if args.action == "create":  # `list` prints the catalogue and needs no broker
         bootstrap = _bootstrap(args, start=True)
         result = topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), args.partitions)
@@ -174,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("topics", parents=[common], help="the topic catalogue")
-    p.add_argument("action", choices=("create", "list"))
+    p.add_argument("action", choices=("create", "list", "doc"))
     p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--check", action="store_true", help="doc: fail (exit 1) if the generated docs drifted")
     p.set_defaults(func=cmd_topics)
 
     for role in ROLES:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dora_rl.core.staleness import StalenessBound
+
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
 MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "dora")
 WeightTransport = Literal["ucx", "tcp", "file"]
@@ -24,7 +26,7 @@ EngineKind = Literal["torch", "emulated", "vllm"]
 
 @dataclass(frozen=True)
 class DoraConfig:
-    """All knobs of a run (DESIGN.md §6). Defaults train the tiny model on ``reverse`` on a CPU."""
+    """All knobs of a run (docs/design.md §7). Defaults train the tiny model on ``reverse`` on a CPU."""
 
     mode: Mode = "sync"
     """Scheduling mode: ``sync`` (generate TBS, train, update all), ``one_step_off`` (generation one
@@ -61,7 +63,16 @@ class DoraConfig:
     """Sampling temperature of rollout (behaviour log-probs are under this distribution)."""
 
     task: str = "reverse"
-    """Synthetic verifiable-reward task (see ``dora_rl.producers.tasks``)."""
+    """Synthetic verifiable-reward task (see ``dora_rl.core.tasks``)."""
+
+    reward_fn: str = "task"
+    """Reward function of the scorer, ``fn(task, reference, completion) -> float`` in [0, 1]: ``task``
+    (the task's own verifier, ``get_task(task).reward``) or a ``module:function`` entry point
+    importable by the scorer (see ``dora_rl.core.rewards``)."""
+
+    reward_timeout_s: float = 10.0
+    """Per-call limit of the reward function: a call still running after it is abandoned (its worker
+    process killed and replaced) and the trajectory dead-lettered with reason ``timeout``."""
 
     engine: EngineKind = "torch"
     """Rollout engine: ``torch`` (CPU/GPU, any HF causal LM), ``vllm`` (GPU), ``emulated``
@@ -110,7 +121,7 @@ class DoraConfig:
     weight_transport: WeightTransport = "ucx"
     """How weights move from trainer to instances and between instances: ``ucx`` (default),
     ``tcp`` (plain sockets, same interface; chosen explicitly, never as a silent fallback) or
-    ``file`` (safetensors checkpoint on a shared file system)."""
+    ``file`` (the same checksummed buckets as files in a directory on a shared file system)."""
 
     seed: int = 0
     """Seed of the dataset, model initialisation and sampling."""
@@ -143,8 +154,7 @@ class DoraConfig:
                              f"train_batch_size ({self.train_batch_size})")
         if self.rollout_batch_size % self.group_size:
             raise ValueError("rollout_batch_size must be a multiple of group_size")
-        if self.max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0")
+        StalenessBound(self.max_staleness)  # raises on a negative bound
         if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1:
             raise ValueError("steps, num_instances and instance_concurrency must be >= 1")
         if self.num_instances > self.num_partitions:
@@ -159,6 +169,11 @@ class DoraConfig:
             # partial rollout bounds no staleness: it is measured, never enforced (nothing is refused)
             return dataclasses.replace(self, max_staleness=self.steps)
         return self
+
+    @property
+    def staleness_bound(self) -> StalenessBound:
+        """The C3 rule of this run (:mod:`dora_rl.core.staleness`): the one place staleness is compared."""
+        return StalenessBound(self.max_staleness)
 
     def to_json(self) -> str:
         """The config as a JSON object (all fields)."""

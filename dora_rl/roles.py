@@ -60,7 +60,8 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) ->
     elif role == "scorer":
         from dora_rl.streams.reward_scorer import run_scorer
 
-        run_scorer(bootstrap, info.run_id, start, config.num_partitions, index, stop.is_set)
+        run_scorer(bootstrap, info.run_id, start, config.num_partitions, index, stop.is_set,
+                   reward_fn=config.reward_fn, reward_timeout_s=config.reward_timeout_s)
     elif role == "assembler":
         from dora_rl.streams.batch_assembler import run_assembler
 

@@ -1,33 +1,40 @@
-"""The topic catalogue (DESIGN.md §3) and its idempotent creation.
+"""The topic catalogue: the one place every fact about a Kafka topic is declared, and its creation.
 
-Each topic has an explicit partition count, retention and message-size limit; creation is
-idempotent (an existing topic is left as it is, and a partition count below the catalogue's is
-reported, never silently accepted). Replication factor is ``min(3, brokers)`` and
+Each :class:`TopicSpec` declares, once: name, record schema, writers and readers, key format,
+partitioning rule, partition count, retention, cleanup policy, message-size limit and purpose.
+``docs/topics.md`` and the topic table of ``README.md`` are generated from it
+(``dora-rl topics doc``; :mod:`dora_rl.infra.topic_docs`), and a unit test fails when they drift
+from it or when a declared writer/reader no longer references the topic in its code.
+
+Invariants (checked when a spec is built):
+
+- every writer and reader names an :class:`Actor` of :data:`ACTORS` (a role or a tool);
+- the partition count follows the rule: ``group_id`` topics have ``num_partitions``, the request
+  topic has :data:`MAX_INSTANCES` (partition = instance index), ``single`` topics have one;
+- a compacted topic declares no time retention (the latest record per key is kept);
+- ``configs`` (what :func:`ensure_topics` applies) is derived from the typed fields, never stated apart.
+
+Creation is idempotent (an existing topic is left as it is, and a partition count below the
+catalogue's is reported, never silently accepted). Replication factor is ``min(3, brokers)`` and
 ``min.insync.replicas`` is ``min(2, rf)``, so the same catalogue runs on one broker and on a
-3-node cluster.
+3-node cluster. Topics Faust creates for the assembler (its table changelog) are not in the catalogue.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
 DAY_MS = 24 * 3600 * 1000
+MIB = 1024 * 1024
 MAX_INSTANCES = 16
+"""Partitions of ``dora.rollout.requests``: one per rollout instance index, so at most 16 instances."""
 
-
-@dataclass(frozen=True)
-class TopicSpec:
-    """One topic: name, partitions, record schema and configs."""
-
-    name: str
-    partitions: int
-    schema: str
-    doc: str
-    configs: dict[str, str] = field(default_factory=dict)
-
+BATCH_MAX_BYTES = 64 * MIB
+"""Largest record (inline training batches, docs/decisions/0005); also the clients' fetch/produce limit."""
 
 PROMPTS = "dora.prompts"
 REQUESTS = "dora.rollout.requests"
@@ -42,37 +49,201 @@ METRICS = "dora.metrics"
 RUNS = "dora.runs"
 SCHEDULE = "dora.schedule"
 
-BATCH_MAX_BYTES = 64 * 1024 * 1024
+Partitioning = Literal["group_id", "instance", "single"]
+Cleanup = Literal["delete", "compact"]
+
+PARTITIONING_RULES: dict[str, str] = {
+    "group_id": "the producer picks `(murmur2(group_id) & 0x7fffffff) % num_partitions` (`infra/keys.py`), "
+                "so a group stays on one partition across versions",
+    "instance": "the orchestrator sets partition = the target rollout instance's index",
+    "single": "one partition: a total order",
+}
+"""How a producer picks the partition, per :data:`Partitioning` value."""
+
+
+@dataclass(frozen=True)
+class Actor:
+    """A process that reads or writes topics: a role of a run or a tool.
+
+    ``modules`` are the repository-relative source files that hold its Kafka reads and writes (the
+    drift test checks that each declared topic is referenced there).
+    """
+
+    name: str
+    kind: Literal["role", "tool"]
+    command: str
+    modules: tuple[str, ...]
+    summary: str
+
+
+_ROLE_ENTRY = "dora_rl/roles.py"  # every role reads its run from dora.runs here
+
+ACTORS: dict[str, Actor] = {a.name: a for a in (
+    Actor("dataset", "role", "dora-rl dataset", ("producers/dataset.py", _ROLE_ENTRY), "writes a run's prompts"),
+    Actor("orchestrator", "role", "dora-rl orchestrator", ("streams/orchestrator.py", _ROLE_ENTRY),
+          "dispatches version-tagged requests, migrates trajectories, plans every batch"),
+    Actor("rollout", "role", "dora-rl rollout --index i", ("producers/rollout/worker.py", _ROLE_ENTRY),
+          "a rollout instance: holds one policy version, generates what it is asked"),
+    Actor("scorer", "role", "dora-rl scorer", ("streams/reward_scorer.py", _ROLE_ENTRY),
+          "scores trajectories (Kafka transactions: exactly-once)"),
+    Actor("assembler", "role", "dora-rl assembler", ("streams/batch_assembler.py", _ROLE_ENTRY),
+          "Faust app: materialises planned batches, staleness gate"),
+    Actor("trainer", "role", "dora-rl trainer", ("consumers/trainer/role.py", _ROLE_ENTRY),
+          "trains each batch, announces each new version"),
+    Actor("run", "tool", "dora-rl run", ("dora_rl/launcher.py", "infra/runs.py"),
+          "records the run, launches the roles, follows progress"),
+    Actor("monitor", "tool", "dora-rl monitor", ("consumers/monitor.py",), "live metrics, instances, dead letters"),
+    Actor("audit", "tool", "dora-rl audit", ("consumers/audit.py",), "checks C1-C3 and TBS from the topics"),
+    Actor("replay", "tool", "dora-rl replay", ("consumers/replay.py",),
+          "a run's records as JSON lines (any catalogue topic via --topic)"),
+    Actor("runs", "tool", "dora-rl runs", ("infra/runs.py",), "lists the runs recorded on the cluster"),
+    Actor("bench", "tool", "make bench-modes", ("bench/modes.py",), "reads a finished run's figures back"),
+)}
+"""Every role and tool named as a writer or reader, by name."""
+
+ROLE_NAMES: tuple[str, ...] = tuple(a.name for a in ACTORS.values() if a.kind == "role")
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """Every fact about one topic (see the module docstring for the invariants)."""
+
+    name: str
+    partitions: int
+    schema: str
+    """Avro full name of the record (key of ``dora_rl.schemas.records.RECORDS``)."""
+    doc: str
+    """One-line purpose."""
+    writers: tuple[str, ...]
+    readers: tuple[str, ...]
+    key: str
+    """Key format (infra/keys.py); ``<...>`` are placeholders."""
+    partitioning: Partitioning
+    retention_ms: int | None
+    """``retention.ms``; None: none set (compacted, or the broker default)."""
+    cleanup: Cleanup = "delete"
+    max_message_bytes: int | None = None
+    """``max.message.bytes``; None: the broker's ``message.max.bytes``."""
+    notes: str = ""
+    """Facts worth a sentence in docs/topics.md (who reads what for which reason)."""
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.writers + self.readers if a not in ACTORS]
+        if unknown or not self.writers:
+            raise ValueError(f"{self.name}: writers must be non-empty and name known actors, unknown: {unknown}")
+        want = {"instance": MAX_INSTANCES, "single": 1}.get(self.partitioning, self.partitions)
+        if self.partitions < 1 or self.partitions != want:
+            raise ValueError(f"{self.name}: {self.partitions} partitions contradict partitioning "
+                             f"{self.partitioning!r}")
+        if self.cleanup == "compact" and self.retention_ms is not None:
+            raise ValueError(f"{self.name}: a compacted topic declares no retention.ms")
+
+    @property
+    def record(self) -> str:
+        """Record class name in ``dora_rl.schemas.records`` (the Avro name without its namespace)."""
+        return self.schema.rsplit(".", 1)[-1]
+
+    @property
+    def purpose(self) -> str:
+        """The one-line purpose (alias of ``doc``)."""
+        return self.doc
+
+    @property
+    def configs(self) -> dict[str, str]:
+        """Topic configs applied at creation, derived from the typed fields."""
+        out: dict[str, str] = {}
+        if self.retention_ms is not None:
+            out["retention.ms"] = str(self.retention_ms)
+        if self.cleanup != "delete":
+            out["cleanup.policy"] = self.cleanup
+        if self.max_message_bytes is not None:
+            out["max.message.bytes"] = str(self.max_message_bytes)
+        return out
+
+
 
 
 def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
-    """Every topic of the system. ``num_partitions`` spreads the data topics (by group id)."""
-    week = str(7 * DAY_MS)
+    """Every topic of the system. ``num_partitions`` spreads the ``group_id``-partitioned topics."""
+    week, day = 7 * DAY_MS, DAY_MS
+    group = "v<policy_version:010d>/<group_id>"
     return (
-        TopicSpec(PROMPTS, num_partitions, "dora.v1.Prompt", "dataset prompts, before dispatch",
-                  {"retention.ms": week}),
+        TopicSpec(PROMPTS, num_partitions, "dora.v1.Prompt", "dataset prompts of a run, before dispatch",
+                  writers=("dataset",), readers=("orchestrator",),
+                  key="v-/<group_id>", partitioning="group_id", retention_ms=week,
+                  notes="No version exists before dispatch, hence `v-` in the key."),
         TopicSpec(REQUESTS, MAX_INSTANCES, "dora.v1.RolloutRequest",
-                  "version-tagged requests; partition = instance index", {"retention.ms": week}),
-        TopicSpec(TOKENS, num_partitions, "dora.v1.TokenChunk", "streamed token chunks",
-                  {"retention.ms": str(DAY_MS)}),
-        TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory", "completed trajectories",
-                  {"retention.ms": week, "max.message.bytes": str(8 * 1024 * 1024)}),
-        TopicSpec(SCORED, num_partitions, "dora.v1.Trajectory", "trajectories with rewards",
-                  {"retention.ms": week, "max.message.bytes": str(8 * 1024 * 1024)}),
-        TopicSpec(INSTANCES, 1, "dora.v1.InstanceStatus", "rollout instance heartbeats",
-                  {"retention.ms": str(DAY_MS)}),
-        TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion", "policy version announcements (one order)",
-                  {"retention.ms": week, "max.message.bytes": str(8 * 1024 * 1024)}),
-        TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, trajectories inline",
-                  {"retention.ms": week, "max.message.bytes": str(BATCH_MAX_BYTES)}),
-        TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason",
-                  {"retention.ms": str(30 * DAY_MS), "max.message.bytes": str(BATCH_MAX_BYTES)}),
-        TopicSpec(METRICS, 1, "dora.v1.Metric", "numeric monitoring events", {"retention.ms": week}),
+                  "version-tagged GENERATE / CANCEL requests, one partition per rollout instance",
+                  writers=("orchestrator",), readers=("rollout", "orchestrator", "audit", "replay"),
+                  key=group, partitioning="instance", retention_ms=week,
+                  notes="Each instance reads only its own partition (no group rebalancing). The orchestrator "
+                        "re-reads its own past requests on start so a prompt is never dispatched twice; the "
+                        "audit checks C1/C2 against them. A request with partial tokens is a migration."),
+        TopicSpec(TOKENS, num_partitions, "dora.v1.TokenChunk",
+                  "token chunks as they are decoded; the aborted partial response of a migrating trajectory",
+                  writers=("rollout",), readers=("orchestrator", "replay"),
+                  key=group, partitioning="group_id", retention_ms=day,
+                  notes="The orchestrator subscribes only in `dora` and `partial` mode, and uses only chunks "
+                        "with `aborted = true` (migration hand-off). No monitor reads this topic today."),
+        TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
+                  "completed trajectories (reward null), in completion order",
+                  writers=("rollout",), readers=("scorer", "orchestrator", "audit", "replay"),
+                  key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
+                  notes="The orchestrator reads completions (instance load, batch planning); the key's "
+                        "version is the request's."),
+        TopicSpec(SCORED, num_partitions, "dora.v1.Trajectory", "trajectories with their reward",
+                  writers=("scorer",), readers=("assembler", "replay"),
+                  key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
+                  notes="Written in Kafka transactions (consumed offsets included): exactly-once from "
+                        "`dora.rollout.trajectories`. Default topic of `dora-rl replay`."),
+        TopicSpec(INSTANCES, 1, "dora.v1.InstanceStatus",
+                  "rollout instance heartbeats: loaded version, state, in-flight, busy time",
+                  writers=("rollout",), readers=("run", "monitor", "bench"),
+                  key="v<loaded_version:010d>/<instance_id>", partitioning="single",
+                  retention_ms=day,
+                  notes="The key holds version 0 before the first load. Not compacted, on purpose: the "
+                        "heartbeat history is the per-instance timeline (versions held over time; busy time "
+                        "read back by `bench/modes.py`); compaction would keep only the last heartbeat per "
+                        "(version, instance). The orchestrator does not read it: it tracks instances from its "
+                        "own dispatches and the completions."),
+        TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion",
+                  "policy version announcements (weights move out of band), in one order",
+                  writers=("trainer", "rollout"), readers=("orchestrator", "rollout"),
+                  key="v<version:010d>/policy", partitioning="single", retention_ms=week,
+                  max_message_bytes=8 * MIB,
+                  notes="The trainer announces each new version; with the torch engine over ucx/tcp, an "
+                        "instance that loaded a version re-announces it naming itself as an extra holder "
+                        "(peer-to-peer fan-out)."),
+        TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, exactly TBS trajectories inline",
+                  writers=("assembler",), readers=("trainer", "orchestrator", "assembler", "audit", "replay"),
+                  key="v<train_step:010d>/step<train_step>", partitioning="single",
+                  retention_ms=week, max_message_bytes=BATCH_MAX_BYTES,
+                  notes="The key's version is the base version (= train step). The orchestrator reads "
+                        "consumption; a (re)started assembler recovers its step counter and the ids already "
+                        "batched from it."),
+        TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason and the original bytes",
+                  writers=("orchestrator", "rollout", "scorer", "assembler", "trainer", "monitor", "run"),
+                  readers=("monitor", "audit", "replay"),
+                  key="<refused record's key> or <topic>/<partition>/<offset>",
+                  partitioning="single", retention_ms=30 * DAY_MS, max_message_bytes=BATCH_MAX_BYTES,
+                  notes="Any consumer built on `RunConsumer` dead-letters what it cannot decode (so the "
+                        "monitor and `dora-rl run` may write here too); the dataset producer consumes nothing."),
+        TopicSpec(METRICS, 1, "dora.v1.Metric", "numeric monitoring events",
+                  writers=("orchestrator", "rollout", "scorer", "assembler", "trainer"),
+                  readers=("run", "monitor", "bench"),
+                  key="<component>/<name>", partitioning="single", retention_ms=week,
+                  notes="The key carries no version (an exception to docs/decisions/0002)."),
         TopicSpec(SCHEDULE, 1, "dora.v1.BatchPlan",
-                  "batch plans: which trajectories form each batch (orchestrator -> assembler)",
-                  {"retention.ms": week}),
-        TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle (compacted by run)",
-                  {"cleanup.policy": "compact", "max.message.bytes": str(8 * 1024 * 1024)}),
+                  "batch plans: which trajectories form each step's batch (earliest deadline first)",
+                  writers=("orchestrator",), readers=("assembler",),
+                  key="v<train_step:010d>/plan", partitioning="single", retention_ms=week,
+                  notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
+        TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle: config, start offsets, state, summary",
+                  writers=("run",), readers=(*ROLE_NAMES, "monitor", "audit", "replay", "runs", "bench"),
+                  key="run/<run_id>", partitioning="single", retention_ms=None, cleanup="compact",
+                  max_message_bytes=8 * MIB,
+                  notes="Compacted by run id: the latest record of each run is kept. Every role, tool and "
+                        "consumer group starts a run's topics at the end offsets recorded here."),
     )
 
 

@@ -20,8 +20,8 @@ from dora_rl.schemas.records import Prompt
 
 def generate_prompts(run_id: str, task_name: str, count: int, seed: int, tokenizer: object) -> Iterator[Prompt]:
     """``count`` prompts of ``task_name``, deterministic in ``seed``."""
+    from dora_rl.core.tasks import get_task
     from dora_rl.modeling import encode_prompt
-    from dora_rl.producers.tasks import get_task
 
     task = get_task(task_name)
     rng = random.Random(seed)

@@ -13,6 +13,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from dora_rl.core.staleness import StalenessBound
+
 from . import codec
 
 R = TypeVar("R", bound="Record")
@@ -240,9 +242,16 @@ class BucketEntry(Record):
 
 @dataclass(frozen=True)
 class PolicyVersion(Record):
-    """Written by the trainer and holders; read by orchestrator and instances. ``dora.policy.versions``."""
+    """Written by the trainer and holders; read by orchestrator and instances. ``dora.policy.versions``.
+
+    ``announced_by`` is :attr:`TRAINER` for the announcement of a new version and :attr:`HOLDER` for a
+    re-announcement by a process that now also serves an already announced version (``holders`` then
+    names only that process; ``train_metrics`` is empty).
+    """
 
     SCHEMA: ClassVar[str] = "dora.v1.PolicyVersion"
+    TRAINER: ClassVar[str] = "TRAINER"
+    HOLDER: ClassVar[str] = "HOLDER"
     run_id: str
     version: int
     step: int
@@ -255,6 +264,7 @@ class PolicyVersion(Record):
     buckets: tuple[BucketEntry, ...] = nested(BucketEntry)
     checkpoint_uri: str | None = None
     train_metrics: dict[str, float] = field(default_factory=dict)
+    announced_by: str = "TRAINER"
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,8 +281,8 @@ class TrainBatch(Record):
     trajectories: tuple[Trajectory, ...] = nested(Trajectory)
 
     def staleness(self) -> list[int]:
-        """``base_version - policy_version`` per trajectory; C3 holds iff all are <= max_staleness."""
-        return [int(self.base_version - t.policy_version) for t in self.trajectories]
+        """``base_version - policy_version`` per trajectory (the rule: :mod:`dora_rl.core.staleness`)."""
+        return [StalenessBound.staleness(self.base_version, t.policy_version) for t in self.trajectories]
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ Rules, for each batch in step order:
 1. **Groups are atomic.** A trajectory waits until all ``group_size`` trajectories of its group
    have arrived; advantages need the whole group. A group may mix versions across trajectories
    (never within one trajectory, C1). Duplicates (same trajectory id) are ignored (idempotency).
-2. **Staleness gate (C3).** A complete group is eligible for step ``k`` only if every member has
-   ``k - v <= S``. A member that is already over-stale when its group completes can never become
-   eligible again: the whole group is *refused* (returned to the caller, which dead-letters it).
+2. **Staleness gate (C3).** A complete group is eligible for step ``k`` only if the rule of
+   :mod:`dora_rl.core.staleness` allows every member in the update based on ``k``. A group whose
+   oldest member is past its deadline (``k > deadline(v)``) can never become eligible again: the
+   whole group is *refused* (returned to the caller, which dead-letters it).
    In a correct run the orchestrator never lets this happen, so refusals are counted as errors.
 3. **Exactly TBS.** A batch holds exactly ``train_batch_size`` trajectories, i.e. TBS / G groups.
 4. **Order.** Groups containing the oldest version go first (so no version outlives its window),
@@ -32,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from dora_rl.core.staleness import StalenessBound
 
 
 class HasVersion(Protocol):
@@ -63,7 +66,7 @@ class AssembledBatch:
 
     def staleness(self) -> list[int]:
         """``train_step - policy_version`` per trajectory."""
-        return [self.train_step - int(t.policy_version) for t in self.trajectories]
+        return [StalenessBound.staleness(self.train_step, t.policy_version) for t in self.trajectories]
 
 
 class BatchAssembler:
@@ -76,6 +79,7 @@ class BatchAssembler:
         self.train_batch_size = train_batch_size
         self.group_size = group_size
         self.max_staleness = max_staleness
+        self.bound = StalenessBound(max_staleness)
         self.next_step = next_step
         self._groups: dict[str, _Group] = {}
         self._complete: dict[str, _Group] = {}
@@ -137,7 +141,7 @@ class BatchAssembler:
         """Remove and return complete groups that are over-stale for ``next_step`` (C3 gate)."""
         refused: list[HasVersion] = []
         for gid in [g for g, grp in self._complete.items()
-                    if self.next_step - grp.min_version() > self.max_staleness]:
+                    if self.next_step > self.bound.deadline(grp.min_version())]:
             refused.extend(self._complete.pop(gid).members.values())
         return refused
 
@@ -147,7 +151,7 @@ class BatchAssembler:
         if self.require_plans:
             return self._cut_planned()
         eligible = [(gid, g) for gid, g in self._complete.items()
-                    if self.next_step - g.min_version() <= self.max_staleness]
+                    if all(self.bound.allows(self.next_step, t.policy_version) for t in g.members.values())]
         if len(eligible) < self.groups_per_batch:
             return None
         eligible.sort(key=lambda item: (item[1].min_version(), item[1].completed_seq))
@@ -192,5 +196,5 @@ class BatchAssembler:
                    if n != self.group_size)
         out.extend(f"{t.trajectory_id}: staleness {s} outside [0, {self.max_staleness}]"
                    for t, s in zip(batch.trajectories, batch.staleness(), strict=True)
-                   if s > self.max_staleness or s < 0)
+                   if not self.bound.allows(batch.train_step, t.policy_version))
         return out

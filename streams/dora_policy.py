@@ -1,4 +1,4 @@
-"""Multi-version streaming rollout (DORA, DESIGN.md §1) as pure rules: dispatch, windows, re-partition.
+"""Multi-version streaming rollout (DORA, docs/design.md §6) as pure rules: dispatch, windows, re-partition.
 
 Notation: ``V`` latest published version, ``S`` max staleness, TBS/RBS/G as in the config. A
 trajectory of version ``v`` must be consumed by a step ``k`` with ``k - v <= S``: its *deadline* is
@@ -6,7 +6,8 @@ trajectory of version ``v`` must be consumed by a step ``k`` with ``k - v <= S``
 
 Rules:
 
-1. **Window (C3).** At most ``S + 1`` versions are live: dispatch uses versions ``v >= V - S`` only.
+1. **Window (C3).** At most ``S + 1`` versions are live: dispatch uses only versions ``v`` with
+   ``StalenessBound.in_window(V, v)`` (:mod:`dora_rl.core.staleness`), i.e. ``V - S <= v <= V``.
 2. **Feasibility (C2 + C3).** Dispatching ``n`` more trajectories of version ``v`` is allowed only if
    the earliest-deadline-first condition of :mod:`dora_rl.streams.planning` still holds, and the
    orchestrator plans every batch itself, earliest deadline first (``BatchPlan``), so every
@@ -28,13 +29,14 @@ Rules:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from dora_rl.config import DoraConfig
 
 from .planning import Planner
-from .scheduling import Dispatch
+from .scheduling import Cancel, Dispatch, Migration
 
 P = TypeVar("P")
 
@@ -47,23 +49,6 @@ class TrajState:
     instance: int
     group_id: str
     done: bool = False
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """Stop these trajectories on ``instance`` (it is switching to another version)."""
-
-    instance: int
-    trajectory_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Migration:
-    """A cancelled trajectory to resume elsewhere with the same version."""
-
-    trajectory_id: str
-    version: int
-    partial: Any
 
 
 @dataclass
@@ -79,10 +64,10 @@ class DoraState:
 
 
 class DoraScheduler(Generic[P]):
-    """The DORA dispatch policy (see the module docstring)."""
+    """The DORA dispatch policy (see the module docstring; implements ``SchedulingRules``)."""
 
     def __init__(self, config: DoraConfig) -> None:
-        self.S = config.max_staleness
+        self.bound = config.staleness_bound
         self.tbs = config.train_batch_size
         self.rbs = config.rollout_batch_size
         self.G = config.group_size
@@ -90,7 +75,7 @@ class DoraScheduler(Generic[P]):
         self.n = config.num_instances
         self.capacity = config.instance_concurrency
         self.state = DoraState(instance_version=[-1] * self.n)
-        self.planner = Planner(self.tbs, self.G, self.S, self.steps)
+        self.planner = Planner(self.tbs, self.G, config.max_staleness, self.steps)
         self._prompts: deque[tuple[str, P]] = deque()
         self._resume: deque[tuple[Migration, int]] = deque()
         self.cancels: list[Cancel] = []
@@ -104,7 +89,7 @@ class DoraScheduler(Generic[P]):
     def add_prompt(self, group_id: str, prompt: P) -> None:
         self._prompts.append((group_id, prompt))
 
-    def on_version(self, version: int, now: float = 0.0) -> None:
+    def on_version(self, version: int, now: float) -> None:
         if version > self.state.latest:
             self.state.latest = version
             self._last_repartition = now
@@ -116,7 +101,7 @@ class DoraScheduler(Generic[P]):
             t.done = True
         self.planner.complete(trajectory_id)
 
-    def on_consumed(self, train_step: int, trajectory_ids: list[str]) -> None:
+    def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         self.state.next_cut = max(self.state.next_cut, train_step + 1)
         for tid in trajectory_ids:
             self.state.trajs.pop(tid, None)
@@ -162,7 +147,7 @@ class DoraScheduler(Generic[P]):
     def feasible(self, version: int, n: int) -> bool:
         """Rules 1–3: window, RBS and total budget, and the EDF condition (``planning.feasible``)."""
         st = self.state
-        if version < st.latest - self.S or version < 0:
+        if version < 0 or not self.bound.in_window(st.latest, version):
             return False
         if self.unconsumed() + n > self.rbs or st.dispatched + n > self.steps * self.tbs:
             return False
@@ -235,14 +220,29 @@ class DoraScheduler(Generic[P]):
                 return True
         return False
 
-    def tick(self, now: float) -> list[Cancel]:
+    def tick(self, now: float) -> None:
         """Re-partition on a timer (every ``repartition_s``) or under load pressure; ``now`` is injected."""
         if self.state.latest < 0:
-            return []
+            return
         if now - self._last_repartition >= self.repartition_s or self.pressure():
             self._last_repartition = now
-            return self.repartition()
-        return []
+            self.repartition()
+
+    def version_of(self, trajectory_id: str) -> int:
+        return self.state.trajs[trajectory_id].version
+
+    def take_cancels(self) -> list[Cancel]:
+        """Cancels decided since the last call (each returned once)."""
+        out, self.cancels = self.cancels, []
+        return out
+
+    def describe(self) -> str:
+        st = self.state
+        undone = [tid for tid, t in st.trajs.items() if not t.done]
+        return (f"latest={st.latest} planned_steps={self.planner.next_step} dispatched={st.dispatched} "
+                f"unconsumed={len(st.trajs)} in_flight={len(undone)} migrating={len(st.migrating)} "
+                f"resume_queue={len(self._resume)} load={self.load()} instances={st.instance_version} "
+                f"stuck={[(t, st.trajs[t].version, st.trajs[t].instance) for t in undone[:4]]}")
 
     def _free_slots(self, version: int) -> list[tuple[int, int]]:
         """(instance, free slots) of instances assigned to ``version``, most free first."""
@@ -323,10 +323,6 @@ class PartialScheduler(DoraScheduler[P]):
     per-token versions are recorded). No staleness window applies to dispatch: a trajectory's
     staleness is counted from its *first* token's version and is only measured.
     """
-
-    def __init__(self, config: DoraConfig) -> None:
-        super().__init__(config)
-        self.token_versions: dict[str, list[tuple[int, int]]] = {}  # tid -> [(version, tokens before)]
 
     def feasible(self, version: int, n: int) -> bool:
         st = self.state

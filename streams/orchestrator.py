@@ -32,24 +32,10 @@ from dora_rl.schemas.records import (
     Trajectory,
 )
 
-from .scheduling import Dispatch, Scheduler
+from .scheduling import Dispatch, make_scheduler
 
 log = logging.getLogger(__name__)
 COMPONENT = "orchestrator"
-
-
-def make_scheduler(config: DoraConfig) -> Any:
-    """The scheduling rules for ``config.mode``."""
-    if config.mode == "dora":
-        from .dora_policy import DoraScheduler
-
-        return DoraScheduler(config)
-    if config.mode == "partial":
-        from .dora_policy import PartialScheduler
-
-        return PartialScheduler(config)
-    return Scheduler(config.mode, config.train_batch_size, config.group_size, config.steps,
-                     config.num_instances, config.max_staleness)
 
 
 def request_for(run_id: str, d: Dispatch[Prompt], config: DoraConfig) -> RolloutRequest:
@@ -91,7 +77,7 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                     if rec.group_id not in already:
                         scheduler.add_prompt(rec.group_id, rec)
                 elif env.topic == topics.VERSIONS:
-                    scheduler.on_version(int(rec.version))
+                    scheduler.on_version(int(rec.version), time.monotonic())
                 elif env.topic == topics.TRAJECTORIES:
                     scheduler.on_completed(rec.trajectory_id)
                 elif env.topic == topics.BATCHES:
@@ -101,8 +87,7 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                     already.add(rec.group_id)  # dispatched by an earlier incarnation
                 elif env.topic == topics.TOKENS and rec.aborted:
                     scheduler.on_aborted(rec.trajectory_id, rec, int(rec.instance_id.rsplit("-", 1)[-1]))
-            if hasattr(scheduler, "tick"):
-                scheduler.tick(time.monotonic())
+            scheduler.tick(time.monotonic())
             out = 0
             for d in scheduler.dispatch():
                 req = request_for(run_id, d, config)
@@ -110,28 +95,26 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                 producer.send(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
                 already.add(d.group_id)
                 out += 1
-            for cancel in getattr(scheduler, "cancels", []):
+            for cancel in scheduler.take_cancels():
                 for tid in cancel.trajectory_ids:
                     req = requests[tid].replace(action="CANCEL", dispatched_ms=now_ms())
                     producer.send(topics.REQUESTS, req, make_key(int(req.policy_version), req.group_id),
                                   partition=cancel.instance)
                 metrics.emit("migrations_started", len(cancel.trajectory_ids))
-            if hasattr(scheduler, "cancels"):
-                scheduler.cancels.clear()
-                for mig, target in scheduler.resumes():
-                    chunk: TokenChunk = mig.partial
-                    prev = requests[mig.trajectory_id]
-                    extra: dict[str, Any] = {}
-                    if config.mode == "partial":
-                        tv = segments.setdefault(mig.trajectory_id, [])
-                        tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
-                        extra = {"policy_version": mig.version, "partial_versions": np.asarray(tv, dtype=np.int64)}
-                    req = prev.replace(
-                        instance_id=f"rollout-{target}", action="GENERATE", partial_ids=chunk.token_ids,
-                        partial_logprobs=chunk.logprobs, dispatched_ms=now_ms(), **extra)
-                    requests[mig.trajectory_id] = req
-                    producer.send(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
-                    out += 1
+            for mig, target in scheduler.resumes():
+                chunk: TokenChunk = mig.partial
+                prev = requests[mig.trajectory_id]
+                extra: dict[str, Any] = {}
+                if config.mode == "partial":
+                    tv = segments.setdefault(mig.trajectory_id, [])
+                    tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
+                    extra = {"policy_version": mig.version, "partial_versions": np.asarray(tv, dtype=np.int64)}
+                req = prev.replace(
+                    instance_id=f"rollout-{target}", action="GENERATE", partial_ids=chunk.token_ids,
+                    partial_logprobs=chunk.logprobs, dispatched_ms=now_ms(), **extra)
+                requests[mig.trajectory_id] = req
+                producer.send(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
+                out += 1
             for step, tids in scheduler.plans():
                 plan = BatchPlan(run_id=run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=now_ms())
                 producer.send(topics.SCHEDULE, plan, make_key(step, "plan"))
@@ -143,18 +126,7 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
             if scheduler.done() and consumed_steps >= config.steps:
                 break
     finally:
-        log.info("orchestrator stopping: %s", describe(scheduler))
+        log.info("orchestrator stopping: %s", scheduler.describe())
         producer.flush()
         consumer.close()
 
-
-def describe(scheduler: Any) -> str:
-    """One line of scheduler state for the log (what is in flight, migrating, queued)."""
-    st = scheduler.state
-    if hasattr(st, "trajs"):
-        undone = [tid for tid, t in st.trajs.items() if not t.done]
-        return (f"latest={st.latest} planned_steps={scheduler.planner.next_step} dispatched={st.dispatched} "
-                f"unconsumed={len(st.trajs)} in_flight={len(undone)} migrating={len(st.migrating)} "
-                f"resume_queue={len(scheduler._resume)} load={scheduler.load()} instances={st.instance_version} "
-                f"stuck={[(t, st.trajs[t].version, st.trajs[t].instance) for t in undone[:4]]}")
-    return f"latest={st.latest_version} waves={st.waves_dispatched} consumed={st.consumed_steps}"

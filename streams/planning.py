@@ -1,7 +1,8 @@
 """Batch planning and dispatch feasibility: earliest-deadline-first, as pure functions.
 
 A trajectory of version ``v`` has *deadline* ``v + S``: it must be trained in a step ``k <= v + S``
-(C3). Each step trains exactly TBS trajectories (whole groups). ``c`` is the next step to plan.
+(C3; the deadline comes from :meth:`dora_rl.core.staleness.StalenessBound.deadline`). Each step
+trains exactly TBS trajectories (whole groups). ``c`` is the next step to plan.
 
 **Feasible set.** A set of unplanned trajectories (complete or still decoding) can all be trained
 in time iff, for every deadline ``D >= c``::
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from dora_rl.core.staleness import StalenessBound
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class Planner:
     """
 
     def __init__(self, train_batch_size: int, group_size: int, max_staleness: int, steps: int) -> None:
-        self.tbs, self.G, self.S, self.steps = train_batch_size, group_size, max_staleness, steps
+        self.tbs, self.G, self.steps = train_batch_size, group_size, steps
+        self.bound = StalenessBound(max_staleness)
         self.next_step = 0
         self.version_of: dict[str, int] = {}  # unplanned trajectory -> (first) version
         self.group_of: dict[str, str] = {}
@@ -99,18 +103,19 @@ class Planner:
         self._seq = 0
 
     def deadline(self, tid: str) -> int:
-        return self.version_of[tid] + self.S
+        return self.bound.deadline(self.version_of[tid])
 
     def deadlines(self) -> list[int]:
         """Deadlines of every unplanned trajectory."""
-        return [v + self.S for v in self.version_of.values()]
+        return [self.bound.deadline(v) for v in self.version_of.values()]
 
     def unplanned(self) -> int:
         return len(self.version_of)
 
     def can_add(self, version: int, n: int) -> bool:
         """May ``n`` more trajectories of ``version`` be dispatched (EDF condition)?"""
-        return feasible([*self.deadlines(), *([version + self.S] * n)], self.next_step, self.tbs, self.steps)
+        return feasible([*self.deadlines(), *([self.bound.deadline(version)] * n)], self.next_step, self.tbs,
+                        self.steps)
 
     def add(self, tid: str, group_id: str, version: int) -> None:
         self.version_of[tid] = version

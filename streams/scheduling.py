@@ -1,8 +1,11 @@
 """Dispatch rules of the orchestrator as pure logic: which prompt goes to which version and instance.
 
-No Kafka and no clock here: the orchestrator process feeds events in (prompts, version
-announcements, completions, consumed batches) and sends out what :meth:`Scheduler.dispatch`
-returns. The same rules drive the real processes and the unit tests.
+No Kafka and no clock here: the orchestrator process (and the discrete-event simulator) feeds events
+in (prompts, version announcements with the time they were seen, completions, consumed batches,
+aborted partials, timer ticks) and carries out what comes back (dispatches, cancels, resumes, batch
+plans). Every mode implements one interface, :class:`SchedulingRules`, so the orchestrator and the
+simulator drive each mode the same way with no probing of its type; :func:`make_scheduler` picks the
+rules of ``config.mode``.
 
 Versions: version ``v`` is the policy after ``v`` updates; train step ``k`` starts from ``k``.
 A *wave* is the ``TBS / G`` prompts (``TBS`` trajectories) destined for one train step.
@@ -11,9 +14,7 @@ A *wave* is the ``TBS / G`` prompts (``TBS`` trajectories) destined for one trai
   ``w - 1`` has consumed wave ``w - 1``. Staleness is always 0.
 - ``one_step_off``: wave ``w`` is dispatched with version ``max(0, w - 1)`` once that version
   exists, so generation runs one version ahead of training. Staleness <= 1.
-- ``partial``: like ``sync`` for dispatch; stragglers are aborted and resumed under the new
-  version by the orchestrator (mixes versions within a trajectory; breaks C1 by design).
-- ``dora``: see :mod:`dora_rl.streams.dora_policy`.
+- ``partial`` and ``dora``: see :mod:`dora_rl.streams.dora_policy`.
 
 Instances: each request goes to the least-loaded instance (fewest trajectories dispatched and
 not yet completed), ties broken by index, so load spreads evenly.
@@ -22,8 +23,11 @@ not yet completed), ties broken by index, so load spreads evenly.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
+
+from dora_rl.config import DoraConfig
 
 from .planning import Planner
 
@@ -47,6 +51,89 @@ class Dispatch(Generic[P]):
         return f"{self.group_id}/{self.sample_index}"
 
 
+@dataclass(frozen=True)
+class Cancel:
+    """Stop these trajectories on ``instance`` (it is switching to another version)."""
+
+    instance: int
+    trajectory_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A cancelled trajectory to resume elsewhere; ``partial`` is its response so far."""
+
+    trajectory_id: str
+    version: int
+    partial: Any
+
+
+class SchedulingRules(Protocol[P]):
+    """What the orchestrator and the simulator call, for every mode.
+
+    Events go in through the ``on_*`` methods and :meth:`tick`; decisions come out of
+    :meth:`dispatch`, :meth:`take_cancels`, :meth:`resumes` and :meth:`plans`, which the caller
+    carries out in that order after each round of events. ``now`` is the caller's clock (monotonic
+    seconds, or the simulator's virtual time): no rule reads a clock of its own.
+    """
+
+    def add_prompt(self, group_id: str, prompt: P) -> None:
+        """Queue a prompt (FIFO)."""
+        ...
+
+    def on_version(self, version: int, now: float) -> None:
+        """Version ``version`` was announced at time ``now``."""
+        ...
+
+    def on_completed(self, trajectory_id: str) -> None:
+        """A trajectory finished decoding (its instance is free of it)."""
+        ...
+
+    def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
+        """A batch was cut for ``train_step``."""
+        ...
+
+    def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
+        """An instance handed back a trajectory's partial response (after a cancel, or giving it up)."""
+        ...
+
+    def tick(self, now: float) -> None:
+        """Time passed: timer- or load-driven decisions (their cancels come out of :meth:`take_cancels`)."""
+        ...
+
+    def dispatch(self) -> list[Dispatch[P]]:
+        """New trajectories to generate now."""
+        ...
+
+    def take_cancels(self) -> list[Cancel]:
+        """Cancels decided since the last call (each is returned once)."""
+        ...
+
+    def resumes(self) -> list[tuple[Migration, int]]:
+        """Migrations that can be placed now: (migration, target instance)."""
+        ...
+
+    def plans(self) -> list[tuple[int, list[str]]]:
+        """Batches that can be planned now: (train step, trajectory ids), in step order."""
+        ...
+
+    def done(self) -> bool:
+        """Every trajectory of the run has been dispatched."""
+        ...
+
+    def load(self) -> list[int]:
+        """In-flight trajectories per instance."""
+        ...
+
+    def version_of(self, trajectory_id: str) -> int:
+        """The version a dispatched, unconsumed trajectory is generated with (KeyError otherwise)."""
+        ...
+
+    def describe(self) -> str:
+        """One line of state for the log (what is in flight, queued, planned)."""
+        ...
+
+
 @dataclass
 class SchedulerState:
     """What the scheduler knows; rebuilt from Kafka on restart by replaying the same events."""
@@ -59,28 +146,27 @@ class SchedulerState:
 
 
 class Scheduler(Generic[P]):
-    """Wave-based dispatch for ``sync``, ``one_step_off`` and ``partial``."""
+    """Wave-based dispatch for ``sync`` and ``one_step_off`` (implements :class:`SchedulingRules`)."""
 
-    def __init__(self, mode: str, train_batch_size: int, group_size: int, steps: int,
-                 num_instances: int, max_staleness: int | None = None) -> None:
-        if mode not in ("sync", "one_step_off", "partial"):
-            raise ValueError(f"Scheduler handles sync/one_step_off/partial, not {mode!r}")
-        self.mode = mode
-        self.group_size = group_size
-        self.prompts_per_wave = train_batch_size // group_size
-        self.steps = steps
-        self.num_instances = num_instances
-        self.max_staleness = (1 if mode == "one_step_off" else 0) if max_staleness is None else max_staleness
-        self.train_batch_size = train_batch_size
+    def __init__(self, config: DoraConfig) -> None:
+        if config.mode not in ("sync", "one_step_off"):
+            raise ValueError(f"Scheduler handles sync/one_step_off, not {config.mode!r}")
+        self.mode = config.mode
+        self.group_size = config.group_size
+        self.prompts_per_wave = config.train_batch_size // config.group_size
+        self.steps = config.steps
+        self.num_instances = config.num_instances
+        self.max_staleness = config.max_staleness
+        self.train_batch_size = config.train_batch_size
         self.state = SchedulerState()
-        self.planner = Planner(train_batch_size, group_size, self.max_staleness, steps)
+        self.planner = Planner(config.train_batch_size, config.group_size, config.max_staleness, config.steps)
         self._prompts: deque[tuple[str, P]] = deque()
 
     def add_prompt(self, group_id: str, prompt: P) -> None:
         """Queue a prompt (FIFO)."""
         self._prompts.append((group_id, prompt))
 
-    def on_version(self, version: int) -> None:
+    def on_version(self, version: int, now: float) -> None:
         """A policy version was announced."""
         self.state.latest_version = max(self.state.latest_version, version)
 
@@ -89,7 +175,7 @@ class Scheduler(Generic[P]):
         self.state.in_flight.pop(trajectory_id, None)
         self.planner.complete(trajectory_id)
 
-    def on_consumed(self, train_step: int, trajectory_ids: list[str]) -> None:
+    def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         """A batch was cut for ``train_step``."""
         self.state.consumed_steps = max(self.state.consumed_steps, train_step + 1)
         for tid in trajectory_ids:
@@ -135,3 +221,35 @@ class Scheduler(Generic[P]):
     def plans(self) -> list[tuple[int, list[str]]]:
         """Batches that can be planned now: (train step, trajectory ids), EDF (see ``planning``)."""
         return self.planner.plans()
+
+    def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
+        """Waves never cancel or migrate: a trajectory an instance gives up (it is stopping) stays
+        uncommitted on that instance's request partition and is generated again when it restarts."""
+
+    def tick(self, now: float) -> None:
+        """Waves are driven by versions only."""
+
+    def take_cancels(self) -> list[Cancel]:
+        return []
+
+    def resumes(self) -> list[tuple[Migration, int]]:
+        return []
+
+    def version_of(self, trajectory_id: str) -> int:
+        return self.state.version_of[trajectory_id]
+
+    def describe(self) -> str:
+        st = self.state
+        return (f"latest={st.latest_version} waves={st.waves_dispatched} consumed={st.consumed_steps} "
+                f"in_flight={len(st.in_flight)} queued_prompts={len(self._prompts)}")
+
+
+def make_scheduler(config: DoraConfig) -> SchedulingRules[Any]:
+    """The scheduling rules of ``config.mode``."""
+    from .dora_policy import DoraScheduler, PartialScheduler
+
+    if config.mode == "dora":
+        return DoraScheduler(config)
+    if config.mode == "partial":
+        return PartialScheduler(config)
+    return Scheduler(config)

@@ -1,19 +1,21 @@
 """A discrete-event simulator driven by the *same* scheduling code as the real processes.
 
 The orchestrator's rules (:mod:`dora_rl.streams.scheduling`, :mod:`dora_rl.streams.dora_policy`),
-the batch plans and the assembler's batching rules (:mod:`dora_rl.streams.batching`) run unchanged;
-only the world around them is simulated on a virtual clock:
+the batch plans and the assembler's batching rules (:mod:`dora_rl.streams.batching`), and the
+instances' rule (:mod:`dora_rl.core.instance_policy`: which version to hold, which requests start)
+run unchanged; only the world around them is simulated on a virtual clock:
 
 - **instances**: each holds one version and decodes its active trajectories together, one token
-  each per decode step of ``step_time(active, capacity)`` seconds (the emulated engine's
-  calibrated model), plus ``prefill_time(prompt + partial tokens)`` when a trajectory is admitted;
-  lengths are the emulated engine's long-tailed ``planned_length``;
+  each per decode step of ``step_time(active, capacity)`` seconds (the emulated model of
+  :mod:`dora_rl.core.emulation`), plus ``prefill_time(prompt + partial tokens)`` when a trajectory
+  is admitted; lengths are the emulated model's long-tailed ``planned_length``;
 - **trainer**: takes batch ``k`` when it is cut and idle, spends ``train_s_per_token * tokens +
   train_s_fixed``, then publishes version ``k + 1`` (switching an instance costs ``switch_s``);
 - **migration**: a cancelled trajectory's tokens so far move to an instance of the same version.
 
 So scale (thousands of instances) can be studied on one machine, and the rules' invariants
-(C1–C3, TBS exact, nothing lost) are checked over random workloads in unit tests.
+(C1–C3, TBS exact, nothing lost) are checked over random workloads in unit tests. The simulator
+imports no Kafka client (a unit test checks it).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dora_rl.config import DoraConfig
-from dora_rl.producers.rollout.emulated import EmulatedParams, planned_length, prefill_time, step_time
+from dora_rl.core.emulation import EmulatedParams, planned_length, prefill_time, step_time
+from dora_rl.core.instance_policy import next_version, startable
 
 from .batching import BatchAssembler
-from .orchestrator import make_scheduler
+from .scheduling import SchedulingRules, make_scheduler
 
 
 @dataclass
@@ -103,7 +106,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
              train_s_fixed: float = 0.2, switch_s: float = 0.05, max_events: int = 2_000_000) -> SimResult:
     """Run ``config`` on the virtual clock; returns figures and the invariant counters."""
     p = params or EmulatedParams(time_scale=0.0)
-    sched: Any = make_scheduler(config)
+    sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
     insts = [_Instance(i, config.instance_concurrency, p) for i in range(config.num_instances)]
     trajs: dict[str, _Traj] = {}
@@ -133,7 +136,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     refused = 0
     migrations = 0
     pending_batches: list[Any] = []
-    sched.on_version(0)
+    sched.on_version(0, 0.0)
 
     def orchestrate(now: float) -> None:
         nonlocal migrations
@@ -143,7 +146,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             tr = _Traj(d.trajectory_id, d.group_id, d.version, length)
             trajs[tr.tid] = tr
             admit(inst, tr, now)
-        for cancel in getattr(sched, "cancels", []):
+        for cancel in sched.take_cancels():
             inst = insts[cancel.instance]
             inst.advance(now)
             for tid in cancel.trajectory_ids:
@@ -158,26 +161,18 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
                     migrations += 1
             drain(inst, now)
             schedule(inst)
-        if hasattr(sched, "cancels"):
-            sched.cancels.clear()
-            for mig, target in sched.resumes():
-                tr = mig.partial
-                tr.version = mig.version
-                admit(insts[target], tr, now)
+        for mig, target in sched.resumes():
+            tr = mig.partial
+            tr.version = mig.version
+            admit(insts[target], tr, now)
         for step, tids in sched.plans():
             asm.on_plan(step, tids)
 
     def admit(inst: _Instance, tr: _Traj, now: float) -> None:
-        """As the real instance does: join the running batch if same version and a slot is free,
-        else wait; switch version only when nothing is decoding (C1)."""
+        """A request reaches an instance: it queues, and the instance rule decides what starts."""
         inst.advance(now)
-        if inst.active and (inst.version != tr.version or len(inst.active) >= inst.capacity):
-            inst.queue.append(tr)
-            return
-        if inst.version != tr.version:
-            inst.version = tr.version
-            inst.t = max(inst.t, now) + switch_s
-        start(inst, tr, now)
+        inst.queue.append(tr)
+        drain(inst, now)
 
     def start(inst: _Instance, tr: _Traj, now: float) -> None:
         tr.versions.add(inst.version)
@@ -186,21 +181,20 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         schedule(inst)
 
     def drain(inst: _Instance, now: float) -> None:
-        """Admit queued work: same version first, else switch to the oldest queued version."""
-        if not inst.queue:
+        """Start queued work as the real instance does (:mod:`dora_rl.core.instance_policy`): switch
+        version only when nothing decodes (C1), then start the held version's requests into free slots."""
+        version = next_version(inst.version, (tr.version for tr in inst.queue), len(inst.active))
+        if version is None:
             return
-        if not inst.active:
-            v = min(tr.version for tr in inst.queue)
-            if v != inst.version:
-                inst.version = v
-                inst.t = max(inst.t, now) + switch_s
-        keep = []
-        for tr in inst.queue:
-            if tr.version == inst.version and len(inst.active) < inst.capacity:
+        if version != inst.version:
+            inst.version = version
+            inst.t = max(inst.t, now) + switch_s
+        starting = startable(inst.version, inst.queue, lambda tr: tr.version, len(inst.active), inst.capacity)
+        if starting:
+            ids = {tr.tid for tr in starting}
+            inst.queue = [tr for tr in inst.queue if tr.tid not in ids]
+            for tr in starting:
                 start(inst, tr, now)
-            else:
-                keep.append(tr)
-        inst.queue = keep
 
     def try_train(now: float) -> None:
         nonlocal trainer_free_at, trainer_busy, trained
@@ -242,7 +236,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             schedule(inst)
         elif kind == "version":
             step_end.append(now)
-            sched.on_version(int(data))
+            sched.on_version(int(data), now)
         orchestrate(now)
         try_train(now)
     mixed = sum(1 for tr in trajs.values() if len(tr.versions) > 1)

@@ -5,6 +5,8 @@ cluster instead."""
 from __future__ import annotations
 
 import os
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,3 +58,35 @@ def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         if broker is not None:
             broker.stop()
+
+
+# -- CI budget: time per tier ----------------------------------------------------------------------
+
+CI_BUDGET_S = 30 * 60
+"""The whole suite (lint included) must stay under 30 minutes on the project machine (2 cores)."""
+
+_tier_s: dict[str, float] = defaultdict(float)
+_tier_n: dict[str, int] = defaultdict(int)
+_session_start = time.monotonic()
+
+
+def _tier(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _tier_s[_tier(report.nodeid)] += report.duration
+    if report.when == "call":
+        _tier_n[_tier(report.nodeid)] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Seconds per tier (setup + call + teardown of its tests), and the suite against the CI budget."""
+    wall = time.monotonic() - _session_start
+    tr = terminalreporter
+    tr.section("CI budget: duration per tier")
+    for tier in sorted(_tier_s):
+        tr.write_line(f"tier {tier}: {_tier_s[tier]:.0f} s ({_tier_n[tier]} tests)")
+    tr.write_line(f"pytest wall time {wall:.0f} s of the {CI_BUDGET_S // 60}-minute budget "
+                  f"({100 * wall / CI_BUDGET_S:.0f}%; lint is timed by make as 'tier lint')")

@@ -39,9 +39,10 @@ def validate_batch(batch: TrainBatch, config: DoraConfig) -> str | None:
     """Why ``batch`` must be refused, or None when it is valid."""
     if len(batch.trajectories) != config.train_batch_size:
         return f"batch has {len(batch.trajectories)} trajectories, expected {config.train_batch_size}"
-    stale = batch.staleness()
-    if max(stale) > config.max_staleness or min(stale) < 0:
-        return f"staleness {min(stale)}..{max(stale)} outside [0, {config.max_staleness}] (C3)"
+    bad = config.staleness_bound.violations(batch.base_version, (t.policy_version for t in batch.trajectories))
+    if bad:
+        return (f"{len(bad)} trajectories with staleness {min(bad)}..{max(bad)} outside "
+                f"[0, {config.max_staleness}] (C3)")
     if any(t.reward is None for t in batch.trajectories):
         return "a trajectory in the batch has no reward"
     return None
@@ -50,9 +51,9 @@ def validate_batch(batch: TrainBatch, config: DoraConfig) -> str | None:
 def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
                 run_dir: Path, token: str | None = None, stop: Callable[[], bool] = lambda: False) -> None:
     """Train ``config.steps`` steps (or until ``stop()``), announcing each version."""
+    from dora_rl.core.tasks import get_task
     from dora_rl.modeling import load_policy, state_dict_for_transfer
     from dora_rl.policy_source import resolve_model
-    from dora_rl.producers.tasks import get_task
 
     from .sft import sft_warmup
 

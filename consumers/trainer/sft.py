@@ -13,8 +13,8 @@ import random
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from dora_rl.core.tasks import Task, TaskSample
 from dora_rl.modeling import encode_answer, encode_prompt
-from dora_rl.producers.tasks import Task, TaskSample
 
 from .grpo import micro_batches, sequence_logprobs, warmup_cosine_schedule
 

@@ -1,7 +1,9 @@
-"""Out-of-band policy weight channel: packed buckets with checksums, served by holders over UCX or TCP.
+"""Out-of-band policy weight channel: packed buckets with checksums, served by holders over UCX, TCP
+or files on a shared file system.
 
-Kafka carries only the announcement (``WeightManifest.to_dict()``); bytes move through
-:func:`make_weight_server` / :func:`make_weight_client` (``kind`` = ``"ucx"`` or ``"tcp"``).
+Kafka carries only the announcement (``WeightManifest.announce()``, a ``PolicyVersion`` whose
+``TensorEntry`` / ``BucketEntry`` records are the manifest's own); bytes move through
+:func:`make_weight_server` / :func:`make_weight_client` (``kind`` = ``"ucx"``, ``"tcp"`` or ``"file"``).
 """
 
 from .channel import FetchStats, WeightClient, WeightServer, make_weight_client, make_weight_server

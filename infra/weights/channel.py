@@ -1,15 +1,19 @@
 """The weight channel: holders serve packed policy versions, fetchers pull them out of band.
 
 Kafka carries only the announcement (the manifest); the bytes move here. The transport is chosen
-explicitly by config (``kind`` = ``"ucx"`` or ``"tcp"``), never silently: asking for ``ucx`` where
-``ucxx`` cannot be imported raises :class:`TransportUnavailableError` telling to set ``"tcp"``.
+explicitly by config (``kind`` = ``"ucx"``, ``"tcp"`` or ``"file"``), never silently: asking for ``ucx``
+where ``ucxx`` cannot be imported raises :class:`TransportUnavailableError` telling to set ``"tcp"``.
+``ucx`` and ``tcp`` holders keep versions in memory and stream them; a ``file`` holder publishes them
+as files in ``directory`` (its address) on a shared file system, read by the fetchers (``file.py``).
+Packing, checksums and the fetch algorithm below are the same for the three.
 
 Fetch algorithm (:meth:`WeightClient.fetch`), invariants:
 
 1. Holders are asked for their load (``status``) and tried in increasing ``active_transfers``
    (ties: the caller's order); holders that are unreachable, refuse, or lack the version are noted
    and skipped.
-2. Every request carries the run's token; a holder refuses a wrong one and sends no weight byte.
+2. Every request carries the run's token; a holder refuses a wrong one and sends no weight byte
+   (``file``: no holder process checks it; the directory's permissions are the access control).
 3. A holder's reply names the version it serves; any other version than the one asked for is refused.
 4. Each bucket is checked against the checksum of the *manifest* (the announcement), not against what
    the holder claims; a corrupt bucket, a truncated stream or a dead holder makes the fetcher refuse
@@ -23,6 +27,7 @@ Figures of each fetch (:class:`FetchStats`: bytes, seconds, GB/s) go to ``on_sta
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .fetcher import FetchStats, WeightClient
@@ -31,10 +36,14 @@ from .manifest import DEFAULT_BUCKET_BYTES
 from .protocol import Transport, TransportUnavailableError, WeightFetchError
 from .store import FaultInjection
 
-KINDS = ("ucx", "tcp")
+KINDS = ("ucx", "tcp", "file")
 
 
-def _make_transport(kind: str, **options: Any) -> Transport:
+def _make_transport(kind: str, directory: str | os.PathLike[str] | None = None, **options: Any) -> Transport:
+    if kind == "file":
+        from .file import FileTransport
+
+        return FileTransport(directory, **options)
     if kind == "tcp":
         from .tcp import TcpTransport
 
@@ -55,11 +64,13 @@ def make_weight_server(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     recycle: bool = False,
     faults: FaultInjection | None = None,
+    directory: str | os.PathLike[str] | None = None,
     **transport_options: Any,
 ) -> WeightServer:
-    """A holder on ``host:port`` over transport ``kind`` (``"ucx"`` or ``"tcp"``; never a silent fallback)."""
+    """A holder over transport ``kind`` (never a silent fallback): on ``host:port`` for ``"ucx"`` and
+    ``"tcp"``; publishing into ``directory`` for ``"file"`` (required there, ignored by the others)."""
     return WeightServer(
-        _make_transport(kind, **transport_options),
+        _make_transport(kind, directory, **transport_options),
         token,
         host,
         port,
@@ -70,7 +81,7 @@ def make_weight_server(
 
 
 def make_weight_client(kind: str, token: str, **transport_options: Any) -> WeightClient:
-    """A fetcher using transport ``kind`` (``"ucx"`` or ``"tcp"``)."""
+    """A fetcher using transport ``kind`` (``"ucx"``, ``"tcp"`` or ``"file"``)."""
     return WeightClient(_make_transport(kind, **transport_options), token)
 
 

@@ -1,5 +1,9 @@
 """Holder side of the weight channel: serve held versions to fetchers, one session thread each.
 
+Where the held bytes live is the transport's choice (``Transport.holder_store``): in memory, sent by
+the sessions below (``tcp``, ``ucx``), or in a directory that fetchers read themselves (``file``: no
+session ever runs). Pack, serve, retire and close are the same code for every kind.
+
 Session invariants: the token is checked before anything else (a wrong one gets a refusal and no
 weight byte); a version not held is refused; segments go out only after the fetcher accepted the
 reply (``go``); ``active_transfers`` counts sessions between acquire and release.
@@ -19,11 +23,12 @@ from .fetcher import check_token
 from .manifest import DEFAULT_BUCKET_BYTES, WeightManifest, pack_state_dict, verify_bucket
 from .plan import request_segments
 from .protocol import PROTO, BulkConn, Transport, WeightChannelError
-from .store import FaultInjection, HeldVersion, VersionStore
+from .store import FaultInjection, HeldVersion, HolderStore
 
 
 class WeightServer:
-    """A holder: serves any number of versions until retired; one session thread per fetcher."""
+    """A holder: serves any number of versions until retired; one session thread per fetcher (none
+    for ``file``, whose fetchers read the published files)."""
 
     def __init__(
         self,
@@ -39,7 +44,7 @@ class WeightServer:
         self.kind = transport.kind
         self._transport = transport
         self._token = check_token(token)
-        self._store = VersionStore(recycle=recycle)
+        self._store: HolderStore = transport.holder_store(recycle)
         self.bucket_bytes = bucket_bytes
         self.faults = faults or FaultInjection()
         self._fired: set[str] = set()
@@ -72,7 +77,8 @@ class WeightServer:
         self._store.put(HeldVersion(manifest, tuple(buckets)))
 
     def retire(self, version: int) -> bool:
-        """Stop serving ``version``; its memory is freed once no transfer still sends it."""
+        """Stop serving ``version``; its memory is freed once no transfer still sends it (``file``: its
+        files are deleted)."""
         return self._store.retire(version)
 
     @property

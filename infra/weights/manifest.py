@@ -2,7 +2,10 @@
 
 A version's weights travel as a few large *buckets* (default 64 MiB) instead of one message per
 parameter. The manifest is the contract between the holder that packed them and every fetcher; it is
-small, JSON-able (``to_dict``) and is what the Kafka announcement on ``dora.policy.versions`` carries.
+small and is what the Kafka announcement on ``dora.policy.versions`` carries: its entries *are* the
+announcement's records (``dora_rl.schemas.records.TensorEntry`` / ``BucketEntry``), so
+``WeightManifest.from_announcement(m.announce(...)) == m`` with no mapping in between. ``to_dict`` is
+the same content as plain JSON (process pipes, a file holder's index).
 
 Invariants (checked by :meth:`WeightManifest.validate`):
 
@@ -24,12 +27,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from dora_rl.schemas.records import BucketEntry, PolicyVersion, TensorEntry
 
 from .checksum import checksum, default_checksum_algo, new_hasher
 
@@ -69,33 +75,17 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} in weight manifest") from None
 
 
-# ------------------------------------------------------------------------------------------- dataclasses
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor: ``nbytes`` bytes at ``offset`` inside bucket ``bucket``, reshaped to ``shape``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    bucket: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class BucketEntry:
-    """One bucket: ``nbytes`` contiguous bytes whose digest is ``checksum``."""
-
-    index: int
-    nbytes: int
-    checksum: str
+# ---------------------------------------------------------------------------------------------- manifest
 
 
 @dataclass(frozen=True)
 class WeightManifest:
-    """Layout and checksums of one policy version (see the module docstring for the invariants)."""
+    """Layout and checksums of one policy version (see the module docstring for the invariants).
+
+    Its entries are the announcement's own records (:class:`~dora_rl.schemas.records.TensorEntry`,
+    :class:`~dora_rl.schemas.records.BucketEntry`): :meth:`announce` and :meth:`from_announcement`
+    move them between the manifest and the :class:`~dora_rl.schemas.records.PolicyVersion` as they are.
+    """
 
     version: int
     tensors: tuple[TensorEntry, ...]
@@ -103,49 +93,63 @@ class WeightManifest:
     total_bytes: int
     checksum_algo: str
 
+    def announce(
+        self,
+        run_id: str,
+        step: int,
+        transport: str,
+        holders: Sequence[str],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        announced_by: str = PolicyVersion.TRAINER,
+        created_ms: int | None = None,
+    ) -> PolicyVersion:
+        """The announcement of this version served by ``holders`` over ``transport``."""
+        return PolicyVersion(
+            run_id=run_id,
+            version=self.version,
+            step=step,
+            created_ms=int(time.time() * 1000) if created_ms is None else created_ms,
+            transport=transport,
+            holders=tuple(holders),
+            total_bytes=self.total_bytes,
+            checksum_algo=self.checksum_algo,
+            tensors=self.tensors,
+            buckets=self.buckets,
+            train_metrics=dict(metrics or {}),
+            announced_by=announced_by,
+        )
+
+    @classmethod
+    def from_announcement(cls, ann: PolicyVersion) -> WeightManifest:
+        """The manifest an announcement carries, validated (``ValueError`` on a broken invariant)."""
+        m = cls(ann.version, tuple(ann.tensors), tuple(ann.buckets), ann.total_bytes, ann.checksum_algo)
+        m.validate()
+        return m
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (lists, ints, strings); ``from_dict(to_dict(m)) == m``."""
+        """Plain JSON-able dict (the Avro datum of the entries); ``from_dict(to_dict(m)) == m``."""
         return {
             "version": self.version,
             "total_bytes": self.total_bytes,
             "checksum_algo": self.checksum_algo,
-            "tensors": [
-                {
-                    "name": t.name,
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "bucket": t.bucket,
-                    "offset": t.offset,
-                    "nbytes": t.nbytes,
-                }
-                for t in self.tensors
-            ],
-            "buckets": [{"index": b.index, "nbytes": b.nbytes, "checksum": b.checksum} for b in self.buckets],
+            "tensors": [t.to_avro() for t in self.tensors],
+            "buckets": [b.to_avro() for b in self.buckets],
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WeightManifest:
-        """Parse and validate; raises ``ValueError`` on any broken invariant."""
-        m = cls(
-            version=int(d["version"]),
-            tensors=tuple(
-                TensorEntry(
-                    name=str(t["name"]),
-                    dtype=str(t["dtype"]),
-                    shape=tuple(int(s) for s in t["shape"]),
-                    bucket=int(t["bucket"]),
-                    offset=int(t["offset"]),
-                    nbytes=int(t["nbytes"]),
-                )
-                for t in d["tensors"]
-            ),
-            buckets=tuple(
-                BucketEntry(index=int(b["index"]), nbytes=int(b["nbytes"]), checksum=str(b["checksum"]))
-                for b in d["buckets"]
-            ),
-            total_bytes=int(d["total_bytes"]),
-            checksum_algo=str(d["checksum_algo"]),
-        )
+        """Parse and validate; raises ``ValueError`` on a missing key or any broken invariant."""
+        try:
+            m = cls(
+                version=int(d["version"]),
+                tensors=tuple(TensorEntry.from_avro(dict(t)) for t in d["tensors"]),
+                buckets=tuple(BucketEntry.from_avro(dict(b)) for b in d["buckets"]),
+                total_bytes=int(d["total_bytes"]),
+                checksum_algo=str(d["checksum_algo"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a weight manifest: {type(e).__name__}: {e}") from e
         m.validate()
         return m
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dora_rl.schemas.records import TensorEntry
+
 from .checksum import Hasher, new_hasher
 from .manifest import (
-    TensorEntry,
     WeightManifest,
     alloc_bytes,
     check_target,

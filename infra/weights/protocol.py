@@ -2,9 +2,11 @@
 
 Every connection starts with one *request* from the fetcher and one *reply* from the holder, both
 small JSON control messages framed as ``MAGIC(4) | length(4, big-endian) | UTF-8 JSON``
-(``length <= MAX_CONTROL``) on a plain TCP socket. Both transports use this control socket; they
-differ in how the bulk segments move (in-band on the same socket for ``tcp``, UCX tag messages
-for ``ucx``).
+(``length <= MAX_CONTROL``) on a plain TCP socket. The two *active* transports use this control
+socket; they differ in how the bulk segments move (in-band on the same socket for ``tcp``, UCX tag
+messages for ``ucx``). The *passive* ``file`` transport has no holder process: its connection object
+answers the same messages itself from the holder's directory and reads the segments from the
+holder's files (``file.py``), so the fetcher runs one algorithm for every kind.
 
 Request ``{"proto": 1, "token": str, "op": "status" | "fetch" | "bye", "version": int,
 "buckets": [int], ...transport fields}`` (``bye``: a fetcher leaving, so the holder drops what it
@@ -22,9 +24,12 @@ import json
 import select
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .store import HolderStore
 
 PROTO = 1
 MAGIC = b"DWC1"
@@ -154,21 +159,30 @@ class BulkConn(Protocol):
 
 
 class Listener(Protocol):
-    """A holder's accept loop; calls the handler with each new connection on a thread of its own."""
+    """How fetchers reach a holder; ``address`` is what announcements name as its holder.
+
+    Active transports (``tcp``, ``ucx``): an accept loop calling the handler with each new connection
+    on a thread of its own. Passive ones (``file``): the address of the holder's store; nothing is
+    accepted and the handler is never called (fetchers read the store through their ``connect``).
+    """
 
     address: str
 
     def close(self) -> None:
-        """Stop accepting and release the port."""
+        """Stop accepting and release the port (passive: nothing to release)."""
 
 
 class Transport(Protocol):
-    """One transport kind (``tcp`` or ``ucx``)."""
+    """One transport kind (``tcp``, ``ucx`` or ``file``)."""
 
     kind: str
 
+    def holder_store(self, recycle: bool) -> HolderStore:
+        """Holder side: where the versions it serves are kept (memory for active transports, files
+        for ``file``); ``recycle`` lets a store hand back a retired version's buffers to pack into."""
+
     def listen(self, host: str, port: int, handler: Callable[[BulkConn], None]) -> Listener:
-        """Start accepting on ``host:port`` (0: any free port)."""
+        """Start accepting on ``host:port`` (0: any free port); passive transports ignore both."""
 
     def connect(self, address: str) -> BulkConn:
         """Open a connection to the holder at ``address`` (``HolderFailed`` if unreachable)."""

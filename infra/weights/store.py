@@ -1,6 +1,10 @@
 """Holder-side lifecycle of policy versions: hold (serve), count transfers, retire; fault hooks.
 
-Invariants:
+A holder keeps its versions in a :class:`HolderStore` chosen by its transport
+(``Transport.holder_store``): :class:`VersionStore` here (memory, streamed to fetchers by session
+threads: ``tcp``, ``ucx``) or ``file.DirectoryStore`` (files the fetchers read themselves: ``file``).
+
+Invariants of :class:`VersionStore`:
 
 - A version is either held (fetchable) or not; ``retire`` makes it unfetchable at once. Its buffers
   are released when the last transfer still sending them finishes (transfers hold a reference).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -43,6 +48,33 @@ class HeldVersion:
 
     manifest: WeightManifest
     buckets: tuple[np.ndarray, ...]
+
+
+class HolderStore(Protocol):
+    """Where a holder keeps the versions it serves (``WeightServer`` calls only these).
+
+    ``put`` makes a version fetchable (``ValueError`` if it is already held), ``retire`` makes it
+    unfetchable at once, ``versions`` lists the fetchable ones; ``acquire``/``release`` bracket one
+    session's transfer (stores that no session reads return None from ``acquire``); ``take_spare``
+    hands back earlier buffers of exactly ``sizes`` to pack into (or None); ``clear`` retires all.
+    """
+
+    def put(self, held: HeldVersion) -> None: ...
+
+    def take_spare(self, sizes: list[int]) -> list[np.ndarray] | None: ...
+
+    def acquire(self, version: int) -> HeldVersion | None: ...
+
+    def release(self, held: HeldVersion) -> None: ...
+
+    def retire(self, version: int) -> bool: ...
+
+    def versions(self) -> list[int]: ...
+
+    @property
+    def active_transfers(self) -> int: ...
+
+    def clear(self) -> None: ...
 
 
 class VersionStore:

@@ -30,6 +30,7 @@ from .protocol import (
     recv_exact,
     send_control,
 )
+from .store import VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,10 @@ class TcpTransport:
     def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 30.0) -> None:
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
+
+    def holder_store(self, recycle: bool) -> VersionStore:
+        """Versions are held in memory and streamed by the holder's sessions."""
+        return VersionStore(recycle=recycle)
 
     def listen(self, host: str, port: int, handler: Callable[[BulkConn], None]) -> TcpListener:
         return TcpListener(host, port, handler, self.io_timeout)

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .protocol import BulkConn, HolderFailed, peer_gone
+from .store import VersionStore
 from .tcp import TcpConn, TcpListener, tcp_connect
 from .ucx_config import UcxOptions, host_id, import_ucxx
 
@@ -331,6 +332,10 @@ class UcxTransport:
             time.sleep(1e-3)
         with self._lock:
             self._parked = [(r, b) for r, b in self._parked + items if not r.completed]
+
+    def holder_store(self, recycle: bool) -> VersionStore:
+        """Versions are held in memory and streamed by the holder's sessions."""
+        return VersionStore(recycle=recycle)
 
     def listen(self, host: str, port: int, handler: Callable[[BulkConn], None]) -> TcpListener:
         for p in self.profiles:

@@ -1,23 +1,31 @@
 """The rollout-engine contract shared by the torch, vLLM and emulated engines.
 
 An engine holds exactly one set of policy weights at a time; the caller tracks which version that is
-(the engine has no notion of versions). Invariants every engine keeps:
+(the engine has no notion of versions) and decides when to load another (the rule:
+:mod:`dora_rl.core.instance_policy`). Invariants every engine keeps:
 
 * C1: all tokens of one ``generate`` call are sampled from the weights loaded when the call began;
-  ``load_state_dict`` never swaps weights under a running ``generate`` (it waits for it).
+  ``load_state_dict`` / ``load_version`` never swap weights under a running ``generate`` (they wait).
 * ``GenResult.logprobs[i]`` is the log-probability of ``token_ids[i]`` under the *sampling*
   distribution (softmax of logits / temperature) — the behaviour log-prob the PPO loss uses.
 * Resume: a request with ``partial_ids`` continues that response. ``token_ids`` of the result is the
   whole response (``partial_ids`` + new tokens) and ``logprobs`` is ``partial_logprobs`` + new ones,
   so a migrated trajectory is indistinguishable from one that was never interrupted.
 * ``max_new_tokens`` bounds the whole response, partial tokens included (same cap after migration).
+* ``add`` admits requests into the running call only when the engine batches continuously and
+  a call is running; otherwise it admits nothing and returns False (the caller starts a new call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from dora_rl.infra.weight_sync import Fetcher
+    from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.schemas.records import PolicyVersion
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -94,6 +102,31 @@ class Engine(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace the policy weights (blocks until a running ``generate`` returns)."""
+        ...
+
+    def add(self, requests: Sequence[GenRequest]) -> bool:
+        """Thread-safe continuous batching: admit ``requests`` into the running ``generate`` call.
+
+        False (nothing admitted) when no call runs or the engine batches statically."""
+        ...
+
+    fetches_weights: bool
+    """Whether :meth:`load_version` needs a :class:`~dora_rl.infra.weight_sync.Fetcher`."""
+
+    serves_weights: bool
+    """Whether :meth:`weights_to_serve` returns the weights (so the instance can serve its version)."""
+
+    def load_version(self, announcement: PolicyVersion, fetcher: Fetcher | None) -> FetchStats | None:
+        """Load the announced version's weights (the version-load hook; waits for a running
+        ``generate``, C1). Returns the transfer's figures, or None when no bytes moved."""
+        ...
+
+    def weights_to_serve(self) -> dict[str, Any] | None:
+        """The loaded weights as a state dict this instance can serve to peers, or None if it cannot."""
+        ...
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of a response (up to, excluding, EOS); '' for engines without a tokenizer."""
         ...
 
 

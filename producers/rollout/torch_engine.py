@@ -22,15 +22,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from dora_rl.modeling import load_weights
+from dora_rl.modeling import decode_completion, load_weights, state_dict_for_transfer
 
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
+
+if TYPE_CHECKING:
+    from dora_rl.infra.weight_sync import Fetcher
+    from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.schemas.records import PolicyVersion
 
 
 class TorchEngine:
@@ -59,6 +64,7 @@ class TorchEngine:
                 raise ValueError("need eos_id or a tokenizer with an EOS token")
             eos_id = int(tokenizer.eos_token_id)
         self.model = model.eval()
+        self.tokenizer = tokenizer
         self.temperature = float(temperature)
         self.eos_ids: frozenset[int] = frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
         if pad_id is None:
@@ -74,10 +80,32 @@ class TorchEngine:
 
     # -- Engine protocol -------------------------------------------------------------------------
 
+    fetches_weights = True
+    serves_weights = True
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace the weights in place; waits for a running ``generate`` to finish (C1)."""
         with self._weights_lock:
             load_weights(self.model, state_dict)
+
+    def load_version(self, announcement: PolicyVersion, fetcher: Fetcher | None) -> FetchStats | None:
+        """Fetch the announced version straight into the model's parameters (C1: under the weights lock)."""
+        if fetcher is None:
+            raise ValueError("the torch engine loads versions through a weight fetcher")
+        with self._weights_lock:
+            return fetcher.fetch_into(announcement, self.model)
+
+    def weights_to_serve(self) -> dict[str, Any]:
+        """A snapshot of the loaded weights (tied tensors once), for serving to peers."""
+        with self._weights_lock:
+            return state_dict_for_transfer(self.model)
+
+    def add(self, requests: Sequence[GenRequest]) -> bool:
+        """Static batching: requests wait for the next ``generate`` call."""
+        return False
+
+    def decode(self, token_ids: list[int]) -> str:
+        return decode_completion(self.tokenizer, token_ids) if self.tokenizer is not None else ""
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Abort these requests (every request of running calls if ``None``) at the next step.

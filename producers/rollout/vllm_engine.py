@@ -22,9 +22,14 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult
+
+if TYPE_CHECKING:
+    from dora_rl.infra.weight_sync import Fetcher
+    from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.schemas.records import PolicyVersion
 
 
 class VllmEngine:
@@ -66,6 +71,26 @@ class VllmEngine:
 
             self.llm.collective_rpc(reload)
             self.llm.reset_prefix_cache()
+
+    fetches_weights = True
+    serves_weights = False
+
+    def load_version(self, announcement: PolicyVersion, fetcher: Fetcher | None) -> FetchStats | None:
+        """Fetch the announced version into fresh tensors, then reload them in place on the workers."""
+        if fetcher is None:
+            raise ValueError("the vLLM engine loads versions through a weight fetcher")
+        state, stats = fetcher.fetch_state(announcement)
+        self.load_state_dict(state)
+        return stats
+
+    def weights_to_serve(self) -> None:
+        """The weights live in vLLM's workers: this instance does not serve them to peers (yet)."""
+        return None
+
+    def decode(self, token_ids: list[int]) -> str:
+        from dora_rl.modeling import decode_completion
+
+        return decode_completion(self.llm.get_tokenizer(), token_ids)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Abort these requests (all running ones if None) at the next step."""

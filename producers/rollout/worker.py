@@ -6,11 +6,13 @@ all of ``dora.policy.versions``; writes ``dora.rollout.tokens`` (chunks as they 
 ``dora.instances`` (heartbeats).
 
 C1: a request tagged with version ``v`` is generated only while this instance holds ``v``. The
-engine runs in a generation thread; the instance switches version only when that thread is idle
-(no ``generate`` call in progress), so no trajectory ever mixes versions. Requests of the held
-version that arrive while a call runs join it when the engine supports continuous batching
-(``engine.add``); otherwise they wait for the next call. Requests wait for their version to be
-announced; the oldest pending version is served first.
+engine runs in a generation thread; which version to hold and which requests start is the rule of
+:mod:`dora_rl.core.instance_policy` (switch only when no generation runs; keep the held version
+while it has pending work, else the oldest pending one). Requests of the held version that arrive
+while a call runs join it when the engine batches continuously (``engine.add``); otherwise they wait
+for the next call. Requests wait for their version to be announced. The worker drives every engine
+through the :class:`~.engine.Engine` protocol alone (``load_version``, ``weights_to_serve``,
+``decode``); :func:`make_engine` is the one place that knows the kinds.
 
 Migration: a CANCEL request aborts the trajectory here; its whole partial response is written as
 one ``TokenChunk`` with ``aborted = true`` (start 0) for the orchestrator to resume elsewhere.
@@ -32,6 +34,7 @@ import torch
 from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
+from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, consumer_config, now_ms
 from dora_rl.infra.keys import make_key, partition_for
@@ -39,7 +42,7 @@ from dora_rl.infra.weight_sync import Fetcher
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
-from .engine import GenRequest, GenResult
+from .engine import Engine, GenRequest, GenResult
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +85,29 @@ class RequestReader:
                                  asynchronous=False)
 
 
-def make_engine(config: DoraConfig, model: Any, tokenizer: Any, index: int) -> Any:
-    """The rollout engine of ``config.engine``."""
+def make_engine(config: DoraConfig, index: int) -> Engine:
+    """The rollout engine of ``config.engine``, with its model and tokenizer loaded (the one place
+    that knows the engine kinds)."""
+    from dora_rl.policy_source import resolve_model
+
+    seed = config.seed * 1000 + index
     if config.engine == "emulated":
-        from .emulated import EmulatedEngine, EmulatedParams
+        from dora_rl.core.emulation import EmulatedParams
+
+        from .emulated import EmulatedEngine
 
         params = EmulatedParams.from_dict({"seed": config.seed, **config.emulated})
         return EmulatedEngine(params, capacity=config.instance_concurrency)
     if config.engine == "vllm":
-        from dora_rl.policy_source import resolve_model
-
         from .vllm_engine import VllmEngine
 
-        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature,
-                          seed=config.seed * 1000 + index)
+        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature, seed=seed)
+    from dora_rl.modeling import load_policy
+
     from .torch_engine import TorchEngine
 
-    return TorchEngine(model, tokenizer, temperature=config.temperature, seed=config.seed * 1000 + index)
+    model, tok = load_policy(resolve_model(config.model, config.seed))
+    return TorchEngine(model, tok, temperature=config.temperature, seed=seed)
 
 
 class Instance:
@@ -200,15 +209,12 @@ class InstanceHolder:
         self._server = make_weight_server(transport, token, recycle=True)
         self.endpoint = str(self._server.address)
 
-    def hold(self, version: int, model: Any, previous: int) -> PolicyVersion:
-        from dora_rl.infra.weight_sync import announcement_from_manifest
-        from dora_rl.modeling import state_dict_for_transfer
-
+    def hold(self, version: int, weights: dict[str, Any], previous: int) -> PolicyVersion:
         if previous >= 0 and previous != version:
             self._server.retire(previous)
-        manifest = self._server.serve(version, state_dict_for_transfer(model))
-        return announcement_from_manifest(self.run_id, version, version, self.transport, [self.endpoint],
-                                          manifest.to_dict(), {"holder_announcement": 1.0})
+        manifest = self._server.serve(version, weights)
+        return manifest.announce(self.run_id, version, self.transport, [self.endpoint],
+                                 announced_by=PolicyVersion.HOLDER)
 
     def close(self) -> None:
         self._server.close()
@@ -222,29 +228,17 @@ def _gen_request(r: RolloutRequest) -> GenRequest:
 
 def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                 start_offsets: dict[tuple[str, int], int], token: str = "",
-                stop: Callable[[], bool] = lambda: False, engine: Any = None) -> None:
+                stop: Callable[[], bool] = lambda: False, engine: Engine | None = None) -> None:
     """Serve requests until ``stop()``."""
-    from dora_rl.modeling import decode_completion, load_policy
-    from dora_rl.policy_source import resolve_model
-
     torch.set_num_threads(1)
     producer = RecordProducer(bootstrap, f"rollout-{index}-{run_id}")
     inst_dlq = DeadLetters(producer, f"rollout-{index}", run_id)
     metrics = Metrics(producer, run_id, f"rollout-{index}")
-    model: Any = None
-    tok: Any = None
-    if config.engine == "torch":
-        model, tok = load_policy(resolve_model(config.model, config.seed))
-    elif config.engine == "vllm":  # the engine holds the weights; only the tokenizer is needed here
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(resolve_model(config.model, config.seed), local_files_only=True)
-    engine = engine or make_engine(config, model, tok, index)
-    inst = Instance(run_id, index, config, producer,
-                    (lambda ids: decode_completion(tok, ids)) if tok is not None else (lambda ids: ""))
-    fetcher = Fetcher(config.weight_transport, token) if config.engine != "emulated" else None
-    holder = (InstanceHolder(config.weight_transport, run_id, token) if config.engine == "torch"
-              and config.weight_transport in ("ucx", "tcp") else None)
+    eng: Engine = engine if engine is not None else make_engine(config, index)
+    inst = Instance(run_id, index, config, producer, eng.decode)
+    fetcher = Fetcher(config.weight_transport, token) if eng.fetches_weights else None
+    holder = (InstanceHolder(config.weight_transport, run_id, token)
+              if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
     inst.endpoint = holder.endpoint if holder is not None else ""
     reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
     versions = RunConsumer(bootstrap, run_id, inst.instance_id, {topics.VERSIONS: PolicyVersion}, inst_dlq,
@@ -252,26 +246,46 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     known: dict[int, PolicyVersion] = {}
     gen_thread: threading.Thread | None = None
     gen_error: list[BaseException] = []
-    continuous = hasattr(engine, "add")
 
     def generate(batch: list[RolloutRequest]) -> None:
         t0 = time.perf_counter()
         try:
-            engine.generate([_gen_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
-                            on_finish=inst.on_finish)
+            eng.generate([_gen_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
+                         on_finish=inst.on_finish)
         except BaseException as exc:  # surfaced in the main loop
             gen_error.append(exc)
         finally:
             inst.busy_s += time.perf_counter() - t0
 
-    def startable() -> list[RolloutRequest]:
+    def starting() -> list[RolloutRequest]:
+        """The requests that start now (the instance rule), marked running."""
         with inst.lock:
             queued = [r for _, r in sorted(inst.pending.values(), key=lambda x: x[0])
-                      if r.trajectory_id not in inst.running and int(r.policy_version) == inst.held]
-            room = config.instance_concurrency - len(inst.running)
-            batch = queued[: max(0, room)]
+                      if r.trajectory_id not in inst.running]
+            batch = startable(inst.held, queued, lambda r: int(r.policy_version), len(inst.running),
+                              config.instance_concurrency)
             inst.running.update(r.trajectory_id for r in batch)
         return batch
+
+    def load(version: int) -> None:
+        """Switch to ``version``: load it through the engine's hook, then serve it if we can."""
+        inst.state = "LOADING"
+        inst.heartbeat(force=True)
+        t0 = time.perf_counter()
+        ann = known[version]
+        own = holder.endpoint if holder is not None else ""
+        if own and own in ann.holders:  # never fetch from ourselves
+            ann = ann.replace(holders=tuple(h for h in ann.holders if h != own))
+        fs = eng.load_version(ann, fetcher)
+        if fs is not None:
+            metrics.emit("weights_gbps", fs.gbps, version=version)
+        if holder is not None:  # serve what we now hold: peers pull from the least-loaded holder
+            weights = eng.weights_to_serve()
+            if weights is not None:
+                producer.send(topics.VERSIONS, holder.hold(version, weights, inst.held),
+                              make_key(version, "policy"))
+        inst.held = version
+        metrics.emit("switch_s", time.perf_counter() - t0, version=version)
 
     try:
         inst.heartbeat(force=True)
@@ -296,55 +310,33 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                         r = entry[1]
                         inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs])
                     elif entry is not None:
-                        engine.abort([req.trajectory_id])
+                        eng.abort([req.trajectory_id])
                     continue
                 with inst.lock:
                     if req.trajectory_id not in inst.pending:
                         inst.pending[req.trajectory_id] = (offset, req)
-            busy = gen_thread is not None and gen_thread.is_alive()
-            if busy and continuous:
-                batch = startable()
-                if batch and not engine.add([_gen_request(r) for r in batch]):
+            if gen_thread is not None and gen_thread.is_alive():
+                batch = starting()  # continuous batching: join the running call (same version)
+                if batch and not eng.add([_gen_request(r) for r in batch]):
                     with inst.lock:
                         inst.running.difference_update(r.trajectory_id for r in batch)
-            elif not busy:
+            else:
                 producer.flush()
                 with inst.lock:
                     low = min((o for o, _ in inst.pending.values()), default=reader.next_offset)
+                    version = next_version(inst.held, (int(r.policy_version) for _, r in inst.pending.values()),
+                                           len(inst.running))
                 reader.commit_before(low)
-                with inst.lock:
-                    wanted = sorted({int(r.policy_version) for _, r in inst.pending.values()})
-                if not wanted:
+                if version is None:
                     inst.state = "IDLE"
                     inst.heartbeat()
                     continue
-                version = wanted[0] if inst.held not in wanted else inst.held
                 if version != inst.held:
-                    if version not in known:
+                    if version not in known:  # wait for its announcement
                         inst.heartbeat()
                         continue
-                    inst.state = "LOADING"
-                    inst.heartbeat(force=True)
-                    t0 = time.perf_counter()
-                    if fetcher is not None and model is not None:  # torch: straight into the parameters
-                        ann = known[version]
-                        own = holder.endpoint if holder is not None else ""
-                        if own and own in ann.holders:
-                            ann = ann.replace(holders=tuple(h for h in ann.holders if h != own))
-                        fs = fetcher.fetch_into(ann, model)
-                        metrics.emit("weights_gbps", fs.gbps, version=version)
-                        if holder is not None:  # serve what we now hold; peers pull from the least loaded
-                            producer.send(topics.VERSIONS, holder.hold(version, model, inst.held),
-                                          make_key(version, "policy"))
-                    elif fetcher is not None:  # vllm: fetch, then reload in place on the workers
-                        state, fs = fetcher.fetch_state(known[version])
-                        engine.load_state_dict(state)
-                        metrics.emit("weights_gbps", fs.gbps, version=version)
-                    else:  # emulated: only the load time is modelled
-                        engine.load_state_dict({})
-                    inst.held = version
-                    metrics.emit("switch_s", time.perf_counter() - t0, version=version)
-                batch = startable()
+                    load(version)
+                batch = starting()
                 if batch:
                     inst.state = "BUSY"
                     inst.heartbeat(force=True)
@@ -353,7 +345,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             inst.heartbeat()
     finally:
         if gen_thread is not None and gen_thread.is_alive():
-            engine.abort(None)
+            eng.abort(None)
             gen_thread.join(10)
         inst.state = "STOPPED"
         inst.heartbeat(force=True)

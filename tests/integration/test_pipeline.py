@@ -163,8 +163,8 @@ def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, s
         except codec.DecodeError:
             continue  # the garbage injected by this module's dead-letter test
     anns = [a for a in anns if a.run_id == sync_run["run_id"]]
-    served = sorted(a.version for a in anns if "holder_announcement" in a.train_metrics)
-    anns = [a for a in anns if "holder_announcement" not in a.train_metrics]
+    served = sorted(a.version for a in anns if a.announced_by == PolicyVersion.HOLDER)
+    anns = [a for a in anns if a.announced_by == PolicyVersion.TRAINER]
     assert [a.version for a in anns] == [0, 1, 2, 3]
     assert served == [0, 1, 2]  # the instance serves every version it loaded (it is a holder too)
     assert {a.transport for a in anns} == {"ucx"} and all(a.buckets and a.tensors for a in anns)

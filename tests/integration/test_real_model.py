@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dora_rl.consumers.trainer.grpo import sequence_logprobs
+from dora_rl.core.tasks import get_task
 from dora_rl.modeling import decode_completion, encode_prompt, load_policy
 from dora_rl.policy_source import resolve_model
 from dora_rl.producers.rollout.engine import GenRequest
 from dora_rl.producers.rollout.torch_engine import TorchEngine
-from dora_rl.producers.tasks import get_task
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from dora_rl.config import DoraConfig
 from dora_rl.streams.batching import BatchAssembler
 from dora_rl.streams.scheduling import Scheduler
 
@@ -74,20 +75,25 @@ def test_every_complete_group_lands_in_exactly_one_batch() -> None:
     assert len(seen) == len(set(seen)) == 40
 
 
+def _wave_cfg(mode: str, tbs: int, g: int, steps: int, n: int) -> DoraConfig:
+    return DoraConfig.from_dict({"mode": mode, "train_batch_size": tbs, "rollout_batch_size": tbs, "group_size": g,
+                                 "steps": steps, "num_instances": n})
+
+
 @pytest.mark.parametrize(("mode", "expected"), [("sync", [0, 1, 2]), ("one_step_off", [0, 0, 1])])
 def test_wave_versions(mode: str, expected: list[int]) -> None:
-    s: Scheduler[str] = Scheduler(mode, train_batch_size=4, group_size=2, steps=3, num_instances=2)
+    s: Scheduler[str] = Scheduler(_wave_cfg(mode, 4, 2, 3, 2))
     for i in range(10):
         s.add_prompt(f"p{i}", f"prompt{i}")
-    s.on_version(0)
+    s.on_version(0, 0.0)
     first = s.dispatch()
     waves_now = 1 if mode == "sync" else 2
     assert len(first) == 4 * waves_now
     assert {d.version for d in first} == {0}
     assert s.dispatch() == []  # waits for the next version
-    s.on_version(1)
+    s.on_version(1, 0.0)
     second = s.dispatch()
-    s.on_version(2)
+    s.on_version(2, 0.0)
     third = s.dispatch()
     versions = [d.version for d in first + second + third]
     waves = sorted({(d.wave, d.version) for d in first + second + third})
@@ -96,10 +102,10 @@ def test_wave_versions(mode: str, expected: list[int]) -> None:
 
 
 def test_dispatch_spreads_load_and_keeps_groups_whole() -> None:
-    s: Scheduler[str] = Scheduler("sync", train_batch_size=8, group_size=4, steps=1, num_instances=2)
+    s: Scheduler[str] = Scheduler(_wave_cfg("sync", 8, 4, 1, 2))
     s.add_prompt("a", "A")
     s.add_prompt("b", "B")
-    s.on_version(0)
+    s.on_version(0, 0.0)
     out = s.dispatch()
     assert s.load() == [4, 4]
     assert sorted(d.trajectory_id for d in out) == sorted(f"{g}/{i}" for g in "ab" for i in range(4))
@@ -109,9 +115,9 @@ def test_dispatch_spreads_load_and_keeps_groups_whole() -> None:
 
 
 def test_waits_for_enough_prompts() -> None:
-    s: Scheduler[str] = Scheduler("sync", train_batch_size=8, group_size=4, steps=1, num_instances=1)
+    s: Scheduler[str] = Scheduler(_wave_cfg("sync", 8, 4, 1, 1))
     s.add_prompt("a", "A")
-    s.on_version(0)
+    s.on_version(0, 0.0)
     assert s.dispatch() == []
     s.add_prompt("b", "B")
     assert len(s.dispatch()) == 8

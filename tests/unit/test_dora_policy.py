@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.producers.rollout.emulated import EmulatedParams
+from dora_rl.core.emulation import EmulatedParams
 from dora_rl.streams.dora_policy import DoraScheduler
 from dora_rl.streams.planning import GroupView, feasible, plan_batch
 from dora_rl.streams.simulator import simulate
@@ -73,7 +73,7 @@ def test_window_and_budget() -> None:
     sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 1, 64))
     for i in range(40):
         sched.add_prompt(f"g{i}", "p")
-    sched.on_version(0)
+    sched.on_version(0, 0.0)
     first = sched.dispatch()
     assert len(first) == 64 and {d.version for d in first} == {0}  # RBS, newest version
     assert sched.dispatch() == []  # RBS reached
@@ -85,13 +85,13 @@ def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_t
     sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 2, 96))
     for i in range(40):
         sched.add_prompt(f"g{i}", "p")
-    sched.on_version(0)
+    sched.on_version(0, 0.0)
     sent = sched.dispatch()
     assert sched.state.instance_version == [0, 0, 0]
     for d in sent[:32]:  # one batch completes and is planned: room for 32 more (RBS)
         sched.on_completed(d.trajectory_id)
     assert [step for step, _ in sched.plans()] == [0]
-    sched.on_version(1)
+    sched.on_version(1, 0.0)
     versions = sched.state.instance_version
     assert 0 in versions and 1 in versions  # version 0 keeps an instance for its stragglers
     moved = [tid for c in sched.cancels for tid in c.trajectory_ids]

@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from dora_rl.producers.rollout.emulated import (
-    EmulatedEngine,
+from dora_rl.core.emulation import (
     EmulatedParams,
     batch_finish_times,
     group_of,
@@ -18,6 +17,7 @@ from dora_rl.producers.rollout.emulated import (
     sample_lengths,
     step_time,
 )
+from dora_rl.producers.rollout.emulated import EmulatedEngine
 from dora_rl.producers.rollout.engine import GenRequest, GenResult
 
 FAST = EmulatedParams(base_step_s=1e-4, prefill_s_per_token=1e-7)

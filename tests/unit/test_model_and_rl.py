@@ -21,6 +21,7 @@ from dora_rl.consumers.trainer.grpo import (
     sequence_logprobs,
 )
 from dora_rl.consumers.trainer.sft import sft_warmup
+from dora_rl.core.tasks import ChainsumTask, ReverseTask, get_task
 from dora_rl.modeling import (
     build_tiny_model,
     decode_completion,
@@ -31,7 +32,6 @@ from dora_rl.modeling import (
 )
 from dora_rl.producers.rollout.engine import GenRequest, GenResult
 from dora_rl.producers.rollout.torch_engine import TorchEngine
-from dora_rl.producers.tasks import ChainsumTask, ReverseTask, get_task
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,210 @@
+"""The emulated rollout model: calibrated decode timing and long-tailed output lengths, as pure functions.
+
+One home for the model that the emulated engine (:mod:`dora_rl.producers.rollout.emulated`, which
+sleeps ``time_scale`` times these model seconds) and the discrete-event simulator
+(:mod:`dora_rl.streams.simulator`, which adds them to its virtual clock) both call.
+
+**Timing model** (model seconds):
+
+* decode step with ``n`` active sequences on an instance of capacity ``C`` (memory-bound decode:
+  ~constant up to ``C``, then linear, i.e. ``C`` tokens per ``(1 + alpha) * base`` seconds)::
+
+      step_time(n, C) = base_step_s * (1 + alpha * min(n, C) / C) * max(1, n / C)     (0 if n == 0)
+
+* prefill when a ``generate`` call admits its requests: ``prefill_s_per_token * sum(len(prompt) +
+  len(partial))``; then every active sequence advances one token per step.
+
+**Length model** (all draws are hashes of ``(seed, id)``, so a length is a pure function of
+``(seed, request_id, max_new_tokens)``; request ids are ``"<group_id>/<sample_index>"``)::
+
+    m = length_median or median_fraction * max_new_tokens
+    z = sqrt(rho) * g_group + sqrt(1 - rho) * e_request          g, e ~ N(0, 1), rho = group_correlation
+    body = max(1, round(m * exp(sigma * z)))                      log-normal, p99/p50 = exp(2.326 sigma)
+    runaway iff sqrt(rho) * h_group + sqrt(1 - rho) * f_request > Phi^-1(1 - p_force)
+    p_force = max(0, cap_fraction - P(body >= cap)) / (1 - P(body >= cap))
+    length = cap if runaway or body >= cap else body              cap = max_new_tokens
+
+so ``P(length == cap) ~= cap_fraction`` (when the body's own tail is below it) and both the body and
+the runaway event are correlated within a group. A response of ``length < cap`` ends with EOS
+(``"stop"``); one of ``cap`` tokens ends with ``"length"``. Tokens are pseudo-random ids in
+``[3, vocab)`` (never ``eos_id``) with log-probs ``-min(1e-3 + Exp(mean 0.35), 2.999)`` in ``[-3, 0)``, a
+pure function of ``(seed, request_id, max_new_tokens)`` too: a request resumed from ``partial_ids``
+continues at position ``len(partial_ids)`` and ends with the same tokens as an uninterrupted run.
+"""
+
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from statistics import NormalDist
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+PlannedFinish = Literal["stop", "length"]
+"""How an uninterrupted emulated response ends: EOS (``"stop"``) or the length cap (``"length"``)."""
+
+_N = NormalDist()
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulatedParams:
+    """Calibration of the emulated engine (times in model seconds)."""
+
+    base_step_s: float = 0.02
+    """Time of one decode step (one token for every active sequence) at low batch occupancy."""
+    capacity: int = 64
+    """Per-instance batch capacity: sequences decoded at ~``base_step_s`` per step before slowdown."""
+    alpha: float = 0.0
+    """Smooth variant: the step time grows by ``alpha * n / capacity`` below capacity (0 = flat)."""
+    prefill_s_per_token: float = 2e-5
+    """Prefill cost per prompt (+ partial) token of a newly admitted request."""
+    length_median: float | None = None
+    """Median of the log-normal length body in tokens; ``None`` = ``median_fraction * max_new_tokens``."""
+    median_fraction: float = 0.08
+    """Median of the body as a fraction of the request's ``max_new_tokens`` (if ``length_median`` unset)."""
+    sigma: float = 1.1
+    """Log-space standard deviation of the body (p99/p50 = exp(2.326 sigma) = 12.9 at 1.1)."""
+    cap_fraction: float = 0.03
+    """Expected fraction of responses that run to the length cap (finish reason ``"length"``)."""
+    group_correlation: float = 0.5
+    """Share of the log-length variance (and of the runaway latent) common to a GRPO group, in [0, 1]."""
+    time_scale: float = 1.0
+    """Real seconds slept per model second (0 = no sleeping: logic tests; timestamps are then ~now)."""
+    load_s: float = 0.0
+    """Model time of one ``load_state_dict`` (weight load)."""
+    seed: int = 0
+    """Seed of every length and token draw."""
+    vocab: int = 32000
+    """Vocabulary size: pseudo tokens are in ``[3, vocab)``."""
+    eos_id: int = 2
+    """Token id that ends a ``"stop"`` response."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "base_step_s >= 0": self.base_step_s >= 0, "capacity >= 1": self.capacity >= 1,
+            "alpha >= 0": self.alpha >= 0, "prefill_s_per_token >= 0": self.prefill_s_per_token >= 0,
+            "length_median > 0": self.length_median is None or self.length_median > 0,
+            "median_fraction > 0": self.median_fraction > 0, "sigma >= 0": self.sigma >= 0,
+            "0 <= cap_fraction < 1": 0 <= self.cap_fraction < 1,
+            "0 <= group_correlation <= 1": 0 <= self.group_correlation <= 1,
+            "time_scale >= 0": self.time_scale >= 0, "load_s >= 0": self.load_s >= 0,
+            "vocab >= 5": self.vocab >= 5, "eos_id >= 0": self.eos_id >= 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid EmulatedParams: need {', '.join(bad)}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EmulatedParams:
+        """Build from a mapping; unknown keys are refused (typos must not silently fall back)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown EmulatedParams keys: {unknown}")
+        return cls(**d)
+
+
+# -- pure timing model -----------------------------------------------------------------------------
+
+
+def step_time(active: int, capacity: int, params: EmulatedParams) -> float:
+    """Model seconds of one decode step with ``active`` sequences (formula in the module docstring)."""
+    if active <= 0:
+        return 0.0
+    cap = max(1, capacity)
+    return params.base_step_s * (1.0 + params.alpha * min(active, cap) / cap) * max(1.0, active / cap)
+
+
+def prefill_time(tokens: int, params: EmulatedParams) -> float:
+    """Model seconds to prefill ``tokens`` prompt (+ partial) tokens admitted together."""
+    return params.prefill_s_per_token * max(0, tokens)
+
+
+def batch_finish_times(
+    new_tokens: Sequence[int], prefill_tokens: int, params: EmulatedParams, capacity: int | None = None,
+) -> list[float]:
+    """Model time at which each sequence of a batch admitted together at t=0 finishes.
+
+    ``new_tokens[i]`` tokens are decoded for sequence ``i`` (0 = finishes at admission, t=0); the
+    timeline is exactly the engine's: prefill, then steps of ``step_time(active)`` each.
+    """
+    cap = params.capacity if capacity is None else capacity
+    out = [0.0] * len(new_tokens)
+    order = sorted((n, i) for i, n in enumerate(new_tokens) if n > 0)
+    t, done, k = prefill_time(prefill_tokens, params) if order else 0.0, 0, 0
+    while k < len(order):
+        n_left = order[k][0]
+        t += (n_left - done) * step_time(len(order) - k, cap, params)
+        done = n_left
+        while k < len(order) and order[k][0] == n_left:
+            out[order[k][1]] = t
+            k += 1
+    return out
+
+
+# -- pure length / token model ---------------------------------------------------------------------
+
+
+def _u64(seed: int, domain: str, key: str) -> int:
+    digest = hashlib.blake2b(f"{seed}|{domain}|{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _normal(seed: int, domain: str, key: str) -> float:
+    return _N.inv_cdf((_u64(seed, domain, key) + 0.5) / 2.0**64)
+
+
+def group_of(request_id: str) -> str:
+    """The group id of ``"<group_id>/<sample_index>"`` (the whole id when it has no ``/``)."""
+    return request_id.rsplit("/", 1)[0] if "/" in request_id else request_id
+
+
+def planned_length(request_id: str, max_new_tokens: int, params: EmulatedParams) -> tuple[int, PlannedFinish]:
+    """The response length (EOS included for ``"stop"``) and finish reason of an uninterrupted run."""
+    p, cap = params, max_new_tokens
+    median = p.length_median if p.length_median is not None else p.median_fraction * cap
+    a, b = math.sqrt(p.group_correlation), math.sqrt(1.0 - p.group_correlation)
+    gid = group_of(request_id)
+    z = a * _normal(p.seed, "len-g", gid) + b * _normal(p.seed, "len-r", request_id)
+    body = max(1, round(median * math.exp(p.sigma * z)))
+    if body >= cap:
+        return cap, "length"
+    if p.sigma > 0:
+        tail = 1.0 - _N.cdf((math.log(max(cap - 0.5, 1e-9)) - math.log(median)) / p.sigma)
+    else:
+        tail = 1.0 if median >= cap - 0.5 else 0.0
+    p_force = max(0.0, p.cap_fraction - tail) / max(1e-12, 1.0 - tail)
+    if p_force > 0:
+        w = a * _normal(p.seed, "run-g", gid) + b * _normal(p.seed, "run-r", request_id)
+        if w > _N.inv_cdf(1.0 - p_force):
+            return cap, "length"
+    return body, "stop"
+
+
+def planned_response(
+    request_id: str, max_new_tokens: int, params: EmulatedParams,
+) -> tuple[list[int], list[float], PlannedFinish]:
+    """The full uninterrupted response: token ids, log-probs and finish reason."""
+    n, reason = planned_length(request_id, max_new_tokens, params)
+    rng = np.random.default_rng([params.seed, _u64(params.seed, "tok", request_id)])
+    ids = rng.integers(3, params.vocab, size=n)
+    ids[ids == params.eos_id] = 3 if params.eos_id != 3 else 4
+    lps = -np.minimum(1e-3 + rng.exponential(0.35, size=n), 2.999)
+    if reason == "stop":
+        ids[-1] = params.eos_id
+    return [int(x) for x in ids], [float(x) for x in lps], reason
+
+
+def sample_lengths(
+    n: int, params: EmulatedParams, max_new_tokens: int, group_size: int = 8,
+) -> npt.NDArray[np.int64]:
+    """Lengths of ``n`` requests ``"g<j>/<k>"`` in groups of ``group_size`` (for tests and plots)."""
+    return np.array([planned_length(f"g{i // group_size}/{i % group_size}", max_new_tokens, params)[0]
+                     for i in range(n)], dtype=np.int64)
+
+

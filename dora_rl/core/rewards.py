@@ -1,0 +1,362 @@
+"""The one reward runner: resolve a reward function by name, run each call in a killable worker.
+
+A reward function has the signature ``fn(task: str, reference: str, completion: str) -> float`` and
+is named by a ``reward_fn`` string (``DoraConfig.reward_fn``): ``"task"`` is the task's own verifier
+(``get_task(task).reward``, :func:`task_reward`); ``"module:function"`` (``"pkg.mod:obj.attr"``) is an
+entry point imported by the worker. A function signals a task it does not handle by raising
+:class:`UnknownTaskError`.
+
+:class:`RewardRunner` runs the calls in a persistent worker process (``python -P -c``, its own
+session, the parent's ``sys.path`` as ``PYTHONPATH``), on the worker's **main thread**, so verifiers
+built on ``signal.alarm`` (math-verify) work. The parent never runs reward code: it sends a whole
+batch in one message, the worker streams back one result per item, and the parent waits at most
+``timeout_s`` for each; on a timeout (or a crash) it SIGKILLs the worker's process group and sends
+the items after the culprit to a spare worker, started in advance (so a replacement does not wait
+for the verifier's imports). The timeout is enforced by the parent, not by a signal in the worker,
+so a verifier that owns ``SIGALRM`` or hangs in C code is still cut off. Not multiprocessing: its
+``spawn``/``forkserver`` re-run the parent's ``__main__`` script in the worker.
+
+Outcomes are typed: a float in ``[0, 1]`` or a :class:`RewardError` whose ``kind`` is ``timeout``,
+``raised`` (with the exception type and message), ``invalid`` (not a number, non-finite, or out of
+range), ``unknown_task`` or ``crashed`` (the worker died), and whose :attr:`RewardError.message`
+names the item and the task. No item's failure is raised or swallowed: it is an outcome and the
+runner goes on. Only a worker that cannot be started raises (``ValueError`` for a reward function
+that cannot be resolved, ``RuntimeError`` otherwise).
+
+Invariants (``tests/unit/test_rewards.py``):
+
+* each item's outcome arrives within ``timeout_s`` + small overhead after the previous one, so
+  ``score`` returns within ``timeout_s`` + overhead and ``score_many`` of n items within
+  ``n * timeout_s`` + overhead at worst;
+* after a timeout or a crash the worker is killed and replaced before the next item runs;
+* ``score_many`` returns exactly one outcome per request, in the order of the requests.
+
+A runner is not thread-safe; :meth:`RewardRunner.close` (or ``with``, or garbage collection, or
+interpreter exit) kills its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import reprlib
+import signal
+import socket
+import subprocess
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+RewardFn = Callable[[str, str, str], float]
+RewardErrorKind = Literal["timeout", "raised", "invalid", "unknown_task", "crashed"]
+_DETAIL_MAX = 1000  # characters of an exception message or bad value kept in an error
+
+
+class UnknownTaskError(KeyError):
+    """Raised by a reward function for a task it does not score (outcome kind ``unknown_task``)."""
+
+
+@lru_cache(maxsize=64)
+def _task(name: str) -> Any:
+    from dora_rl.core.tasks import get_task
+
+    try:
+        return get_task(name)
+    except KeyError as exc:
+        raise UnknownTaskError(exc.args[0] if exc.args else name) from None
+
+
+def task_reward(task: str, reference: str, completion: str) -> float:
+    """The task's own verifier: ``get_task(task).reward(reference, completion)``."""
+    return float(_task(task).reward(reference, completion))
+
+
+#: reward functions known by name (``DoraConfig.reward_fn``); anything else is ``module:function``
+BUILTIN: dict[str, RewardFn] = {"task": task_reward}
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """The function named by ``spec`` (a :data:`BUILTIN` name or ``module:function``); ValueError if none."""
+    if ":" not in spec:
+        if spec in BUILTIN:
+            return BUILTIN[spec]
+        raise ValueError(f"unknown reward function {spec!r}: use one of {sorted(BUILTIN)} or 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {spec!r} is not of the form 'module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"reward function {spec!r}: {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return obj
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    """One call to score: the trajectory's task, reference and completion; ``item`` names it in errors."""
+
+    task: str
+    reference: str
+    completion: str
+    item: str = ""
+
+
+@dataclass(frozen=True)
+class RewardError:
+    """Why an item has no reward. ``message`` is the one line to log or dead-letter."""
+
+    kind: RewardErrorKind
+    detail: str
+    task: str
+    item: str = ""
+    exc_type: str = ""  # for ``raised``: the exception's (qualified) type name
+    reward_fn: str = ""
+
+    @property
+    def message(self) -> str:
+        """E.g. ``reward 'task' of trajectory t1 (task 'reverse') failed: raised ValueError: boom``."""
+        who = f"trajectory {self.item} " if self.item else ""
+        what = f"raised {self.exc_type}: {self.detail}" if self.kind == "raised" else f"{self.kind}: {self.detail}"
+        return f"reward {self.reward_fn!r} of {who}(task {self.task!r}) failed: {what}"
+
+
+Outcome = float | RewardError
+_Wire = float | tuple[str, str, str]  # worker -> parent per item: a reward or (kind, exc_type, detail)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _DETAIL_MAX else text[:_DETAIL_MAX] + "..."
+
+
+def _type_name(exc: BaseException) -> str:
+    cls = type(exc)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def call_reward(fn: RewardFn, task: str, reference: str, completion: str) -> _Wire:
+    """One call, checked: the reward, or ``(kind, exc_type, detail)``. The validity rule lives here only."""
+    try:
+        value = fn(task, reference, completion)
+    except UnknownTaskError as exc:
+        return ("unknown_task", _type_name(exc), _clip(str(exc.args[0]) if exc.args else task))
+    except Exception as exc:
+        return ("raised", _type_name(exc), _clip(str(exc)))
+    try:
+        reward = float(value)
+    except Exception:
+        return ("invalid", "", _clip(f"returned {reprlib.repr(value)}, which is not a number"))
+    if not (math.isfinite(reward) and 0.0 <= reward <= 1.0):
+        return ("invalid", "", f"returned {reward!r}, not a finite number in [0, 1]")
+    return reward
+
+
+def _worker_main(fd: int, spec: str) -> None:
+    """The worker: resolve ``spec``, then score batches (lists of triples) until EOF or ``None``."""
+    conn = Connection(fd)
+    try:
+        fn = resolve_reward_fn(spec)
+    except Exception as exc:
+        conn.send(("error", str(exc)))
+        return
+    conn.send(("ready", ""))
+    with contextlib.suppress(EOFError, OSError):  # the parent went away
+        while (batch := conn.recv()) is not None:
+            for task, reference, completion in batch:
+                conn.send(call_reward(fn, task, reference, completion))
+
+
+_BOOT = "import sys; from dora_rl.core.rewards import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])"
+
+
+class _Worker:
+    """One worker process, leader of its own process group, and the parent's end of its socket."""
+
+    def __init__(self, spec: str) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT, str(theirs.fileno()), spec],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.ready = False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float, spec: str) -> None:
+        """Until the worker has resolved ``spec``; ValueError (bad spec) or RuntimeError, worker killed."""
+        if self.ready:
+            return
+        try:
+            if not self.conn.poll(timeout):
+                raise RuntimeError(f"reward worker for {spec!r} did not start within {timeout:g} s")
+            status, detail = self.conn.recv()
+        except (EOFError, OSError):
+            self.kill()
+            raise RuntimeError(f"reward worker for {spec!r} exited while starting "
+                               f"(exit code {self.proc.returncode})") from None
+        except BaseException:
+            self.kill()
+            raise
+        if status != "ready":
+            self.kill()
+            raise ValueError(detail)
+        self.ready = True
+
+    def kill(self) -> None:
+        """SIGKILL the process group (only while the pid is unreaped, hence still ours) and reap it."""
+        self.conn.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.kill()
+    workers.clear()
+
+
+class RewardRunner:
+    """Runs ``reward_fn`` (see :func:`resolve_reward_fn`) in a worker process, ``timeout_s`` per call.
+
+    The first worker starts in the constructor, so an unresolvable ``reward_fn`` raises ValueError
+    here. With ``spare`` (default) a second, idle worker is kept started to replace the first after a
+    timeout or crash. ``restarts`` counts the replacements.
+    """
+
+    def __init__(self, reward_fn: str = "task", timeout_s: float = 10.0, *, start_timeout_s: float = 120.0,
+                 spare: bool = True) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.reward_fn = reward_fn
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.spare = spare
+        self.restarts = 0
+        self.closed = False
+        self._workers: list[_Worker] = []  # every worker alive: the current one and the spare
+        self._current: _Worker | None = None
+        self._spare: _Worker | None = None
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)  # also at interpreter exit
+        try:
+            self._worker()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _launch(self) -> _Worker:
+        w = _Worker(self.reward_fn)
+        self._workers.append(w)
+        return w
+
+    def _retire(self, w: _Worker) -> None:
+        w.kill()
+        self._workers.remove(w)
+
+    def _drop_current(self) -> None:
+        """Kill the current worker (timed out, crashed or gone); the next call promotes the spare."""
+        if self._current is not None:
+            self._retire(self._current)
+            self._current = None
+            self.restarts += 1
+
+    def _worker(self) -> _Worker:
+        """The live, ready worker: the current one, else the spare (promoted; a new spare starts)."""
+        if self._current is not None and self._current.alive():
+            return self._current
+        self._drop_current()  # died while idle
+        w, self._spare = self._spare, None
+        if w is None or not w.alive():
+            if w is not None:
+                self._retire(w)
+            w = self._launch()
+        if self.spare:
+            self._spare = self._launch()  # starts while ``w`` works
+        w.wait_ready(self.start_timeout_s, self.reward_fn)
+        self._current = w
+        return w
+
+    def _send(self, batch: list[tuple[str, str, str]]) -> _Worker:
+        for attempt in range(2):
+            w = self._worker()
+            try:
+                w.conn.send(batch)
+                return w
+            except OSError:  # died between the liveness check and the send
+                self._drop_current()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def score(self, task: str, reference: str, completion: str, item: str = "") -> Outcome:
+        """The reward of one completion, or why there is none."""
+        return self.score_many([RewardRequest(task, reference, completion, item)])[0]
+
+    def score_many(self, requests: Sequence[RewardRequest]) -> list[Outcome]:
+        """One outcome per request, in order; the batch goes to the worker in one message."""
+        if self.closed:
+            raise RuntimeError("reward runner is closed")
+        out: list[Outcome] = []
+        while len(out) < len(requests):
+            pending = requests[len(out):]
+            w = self._send([(r.task, r.reference, r.completion) for r in pending])
+            for req in pending:
+                failed: tuple[str, str, str] | None = None
+                if not w.conn.poll(self.timeout_s):
+                    failed = ("timeout", "", f"no result within {self.timeout_s:g} s; worker killed and replaced")
+                else:
+                    try:
+                        msg: _Wire = w.conn.recv()
+                    except (EOFError, OSError):
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            w.proc.wait(1.0)
+                        failed = ("crashed", "", f"the worker died (exit code {w.proc.returncode}); replaced")
+                if failed is not None:
+                    out.append(self._error(req, failed))
+                    self._drop_current()  # the items after the culprit go to the next worker
+                    break
+                out.append(msg if isinstance(msg, float) else self._error(req, msg))
+        assert len(out) == len(requests)
+        return out
+
+    def _error(self, req: RewardRequest, wire: tuple[str, str, str]) -> RewardError:
+        kind, exc_type, detail = wire
+        return RewardError(kind=kind, detail=detail, task=req.task, item=req.item,  # type: ignore[arg-type]
+                           exc_type=exc_type, reward_fn=self.reward_fn)
+
+    def close(self) -> None:
+        """Stop the workers (the current one asked to exit, killed after a second). Idempotent."""
+        self.closed = True
+        w = self._current
+        if w is not None and w.alive():
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                w.conn.send(None)
+                w.proc.wait(1.0)
+        self._current = self._spare = None
+        self._finalizer()

@@ -1,0 +1,38 @@
+"""Wiring apart from logic: the rules run without any Kafka client, and callers never probe types."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+KAFKA_CLIENTS = ("confluent_kafka", "aiokafka", "faust", "mode")
+
+
+@pytest.mark.parametrize("module", ["dora_rl.streams.simulator", "dora_rl.streams.scheduling",
+                                    "dora_rl.streams.batching", "dora_rl.core.instance_policy"])
+def test_rules_and_simulator_import_no_kafka_client(module: str) -> None:
+    code = (f"import sys, {module}\n"
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {KAFKA_CLIENTS!r})\n"
+            "print(','.join(bad))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "", f"{module} imports Kafka clients: {run.stdout.strip()}"
+
+
+@pytest.mark.parametrize("path", ["streams/orchestrator.py", "streams/simulator.py", "producers/rollout/worker.py"])
+def test_callers_drive_interfaces_without_probing(path: str) -> None:
+    tree = ast.parse((REPO / path).read_text())
+    probes = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("hasattr", "getattr")]
+    assert probes == [], f"{path} probes objects with hasattr/getattr at lines {probes}"
+
+
+def test_simulator_and_worker_share_the_instance_rule() -> None:
+    for path in ("streams/simulator.py", "producers/rollout/worker.py"):
+        text = (REPO / path).read_text()
+        assert "from dora_rl.core.instance_policy import next_version, startable" in text, path
