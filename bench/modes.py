@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         broker = LocalBroker(Path(tempfile.mkdtemp(prefix="bench-modes-")) / "broker", port=0)
         broker.start()
         bootstrap = broker.bootstrap_servers
-    result: dict[str, Any] = {"engine": "emulated", "steps": args.steps, "staleness": args.staleness,
+    from provenance import provenance
+
+    result: dict[str, Any] = {**provenance(), "engine": "emulated", "steps": args.steps, "staleness": args.staleness,
                               "workload": WORKLOAD, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "modes": {}}
     try:

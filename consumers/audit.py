@@ -8,14 +8,22 @@ Checks (each a count of violations; the run passes when all are zero):
   version differs from the version their request was tagged with.
 - **C2** ``c2_duplicated``: trajectory ids in more than one batch (or twice in one);
   ``c2_not_dispatched``: batched trajectories no request asked for; ``c2_split_groups``: groups
-  whose trajectories are not all in the same batch; ``c2_missing``: dispatched trajectories in no
-  batch, beyond what may legitimately still be in flight when the run stopped (trajectories of
-  groups none of whose members were batched, at most ``rollout_batch_size`` of them).
+  whose trajectories are not all in the same batch; ``c2_missing``: in a run that reached its
+  requested steps, dispatched trajectories that are neither in a batch nor refused in ``dora.dlq``
+  (no tolerance: every mode dispatches at most ``steps * TBS``); ``c2_duplicate_steps``: train
+  steps with more than one committed batch; ``c2_untrained_steps``: in a finished run, batches whose
+  step the trainer never announced a version for.
+- **Versions** ``v_checksum_conflicts``: a version announced (by the trainer or any holder) with two
+  different sets of bucket checksums; ``v_not_increasing``: a trainer announcement whose version is
+  not above every earlier one.
 - **C3** ``c3_over_stale``: batched trajectories with ``base_version - version > max_staleness``.
 - **TBS** ``tbs_wrong_size``: batches whose size is not exactly ``train_batch_size``.
 
 ``partial`` mode breaks C1 by design: its mixed-version trajectories are reported as
 ``c1_breaks_expected`` and do not fail the audit of a partial run.
+
+Verdict: **FAIL** on any violation; else **INCOMPLETE** when fewer batches than the run's requested
+steps exist (a run that stopped early is never reported as passing); else **PASS**.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import read_all
 from dora_rl.infra.runs import get_run
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import DeadLetter, Record, RolloutRequest, TrainBatch, Trajectory
+from dora_rl.schemas.records import DeadLetter, PolicyVersion, Record, RolloutRequest, TrainBatch, Trajectory
 
 
 @dataclass
@@ -56,6 +64,12 @@ class AuditReport:
     c2_not_dispatched: int = 0
     c2_split_groups: int = 0
     c2_missing: int = 0
+    c2_duplicate_steps: int = 0
+    c2_untrained_steps: int = 0
+    v_checksum_conflicts: int = 0
+    v_not_increasing: int = 0
+    steps_requested: int = 0
+    refused: int = 0
     in_flight_at_end: int = 0
     c3_over_stale: int = 0
     tbs_wrong_size: int = 0
@@ -63,16 +77,31 @@ class AuditReport:
     examples: list[str] = field(default_factory=list)
 
     VIOLATIONS = ("c1_mixed_versions", "c1_instance_mismatch", "c1_request_mismatch", "c2_duplicated",
-                  "c2_not_dispatched", "c2_split_groups", "c2_missing", "c3_over_stale", "tbs_wrong_size")
+                  "c2_not_dispatched", "c2_split_groups", "c2_missing", "c2_duplicate_steps",
+                  "c2_untrained_steps", "v_checksum_conflicts", "v_not_increasing", "c3_over_stale",
+                  "tbs_wrong_size")
+
+    @property
+    def complete(self) -> bool:
+        """The run reached its requested steps."""
+        return self.batches >= self.steps_requested > 0
+
+    @property
+    def verdict(self) -> str:
+        """PASS, INCOMPLETE (no violation, but short of the requested steps) or FAIL."""
+        if any(getattr(self, name) for name in self.VIOLATIONS):
+            return "FAIL"
+        return "PASS" if self.complete else "INCOMPLETE"
 
     @property
     def ok(self) -> bool:
-        """No violation of any check."""
-        return all(getattr(self, name) == 0 for name in self.VIOLATIONS) and self.batches > 0
+        """The verdict is PASS: no violation, and the run reached its requested steps."""
+        return self.verdict == "PASS"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["ok"] = self.ok
+        out["verdict"] = self.verdict
         return out
 
     def render(self) -> str:
@@ -90,15 +119,52 @@ class AuditReport:
         if self.dead_letters:
             lines.append(f"  dead letters: {self.dead_letters}")
         lines.extend(f"  e.g. {e}" for e in self.examples[:10])
-        lines.append("PASS" if self.ok else "FAIL")
+        if self.verdict == "INCOMPLETE":
+            lines.append(f"  {self.batches} of {self.steps_requested} requested steps have a batch")
+        lines.append(self.verdict)
         return "\n".join(lines)
+
+
+def refused_ids(dead_letters: Iterable[DeadLetter]) -> set[str]:
+    """Trajectory ids a role refused (dead letters whose original value is a trajectory)."""
+    out: set[str] = set()
+    for d in dead_letters:
+        if d.source_topic == topics.TRAJECTORIES and d.value:  # the scorer refuses what it cannot score
+            try:
+                out.add(Trajectory.decode(d.value).trajectory_id)
+            except DecodeError:
+                continue  # an undecodable record refused as such: no id to account for
+    return out
+
+
+def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion]) -> set[int]:
+    """Version checks; returns the versions the trainer announced."""
+    checksums: dict[int, set[tuple[str, ...]]] = defaultdict(set)
+    announced: set[int] = set()
+    newest = -1
+    for ann in versions:
+        checksums[int(ann.version)].add(tuple(b.checksum for b in ann.buckets))
+        if ann.announced_by == PolicyVersion.TRAINER:
+            if int(ann.version) <= newest:
+                rep.v_not_increasing += 1
+                rep.examples.append(f"versions: the trainer announced {ann.version} after {newest}")
+            newest = max(newest, int(ann.version))
+            announced.add(int(ann.version))
+    for v, sums in sorted(checksums.items()):
+        if len(sums) > 1:
+            rep.v_checksum_conflicts += 1
+            rep.examples.append(f"versions: version {v} announced with {len(sums)} different checksums")
+    return announced
 
 
 def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutRequest],
                   trajectories: Iterable[Trajectory], batches: Iterable[TrainBatch],
-                  dead_letters: Iterable[DeadLetter] = ()) -> AuditReport:
-    """The audit as a pure function of a run's records."""
-    rep = AuditReport(run_id, config.mode, config.max_staleness, config.train_batch_size)
+                  dead_letters: Iterable[DeadLetter] = (),
+                  announcements: Iterable[PolicyVersion] | None = None) -> AuditReport:
+    """The audit as a pure function of a run's records (``announcements`` None: no version checks)."""
+    rep = AuditReport(run_id, config.mode, config.max_staleness, config.train_batch_size,
+                      steps_requested=config.steps)
+    dead_letters = list(dead_letters)
     bound = config.staleness_bound
     requested: dict[str, int] = {}
     group_members: dict[str, set[str]] = defaultdict(set)
@@ -131,8 +197,10 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
     batch_of_group: dict[str, set[int]] = defaultdict(set)
     stale_hist: Counter[int] = Counter()
     versions: set[int] = set()
+    steps_seen: Counter[int] = Counter()
     for b in batches:
         rep.batches += 1
+        steps_seen[int(b.train_step)] += 1
         if len(b.trajectories) != config.train_batch_size:
             rep.tbs_wrong_size += 1
             rep.examples.append(f"TBS: batch {b.batch_id} has {len(b.trajectories)} trajectories")
@@ -157,12 +225,25 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
         if len(steps) > 1 or (len(group_members.get(gid, ())) and not group_members[gid] <= set(batched)):
             rep.c2_split_groups += 1
             rep.examples.append(f"C2: group {gid} split over steps {sorted(steps)}")
-    unbatched = [tid for tid in requested if tid not in batched]
-    rep.in_flight_at_end = len(unbatched)
-    if len(unbatched) > config.rollout_batch_size:
-        rep.c2_missing = len(unbatched) - config.rollout_batch_size
-        rep.examples.append(f"C2: {len(unbatched)} dispatched trajectories never batched (allowed in flight: "
-                            f"{config.rollout_batch_size})")
+    rep.batches = len(steps_seen)
+    rep.c2_duplicate_steps = sum(n - 1 for n in steps_seen.values() if n > 1)
+    refused = refused_ids(dead_letters) & set(requested)
+    rep.refused = len(refused)
+    unbatched = [tid for tid in requested if tid not in batched and tid not in refused]
+    if rep.complete:
+        rep.c2_missing = len(unbatched)
+        if unbatched:
+            rep.examples.append(f"C2: {len(unbatched)} dispatched trajectories neither batched nor refused, "
+                                f"e.g. {unbatched[:3]}")
+    else:
+        rep.in_flight_at_end = len(unbatched)
+    if announcements is not None:
+        announced = audit_versions(rep, announcements)
+        if rep.complete:
+            untrained = sorted(k for k in steps_seen if k + 1 not in announced)
+            rep.c2_untrained_steps = len(untrained)
+            if untrained:
+                rep.examples.append(f"C2: batches of steps {untrained[:5]} were never trained")
     rep.staleness_histogram = dict(stale_hist)
     rep.max_staleness_seen = max(stale_hist, default=0)
     rep.versions_seen = sorted(versions)
@@ -194,7 +275,8 @@ def audit_run(bootstrap: str, run_id: str | None = None) -> AuditReport:
     trajs = _records(bootstrap, info.run_id, topics.TRAJECTORIES, Trajectory, start(topics.TRAJECTORIES))
     batches = _records(bootstrap, info.run_id, topics.BATCHES, TrainBatch, start(topics.BATCHES))
     dlq = _records(bootstrap, info.run_id, topics.DLQ, DeadLetter, start(topics.DLQ))
-    return audit_records(info.run_id, config, reqs, trajs, batches, dlq)
+    versions = _records(bootstrap, info.run_id, topics.VERSIONS, PolicyVersion, start(topics.VERSIONS))
+    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions)
 
 
 def report_json(report: AuditReport) -> str:

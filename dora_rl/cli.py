@@ -1,6 +1,7 @@
 """``dora-rl``: one console command, a subcommand per role and per tool.
 
     dora-rl run [--steps N] [--mode M] [--config F] [--json OUT]   the whole loop (embedded broker by default)
+    dora-rl resume RUN_ID [--steps N]                               continue a run whose launcher died
     dora-rl broker start|stop|status [--cluster]                   the embedded Kafka broker
     dora-rl topics create|list|doc [--check]                        the topic catalogue (doc: generated docs)
     dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index)
@@ -20,6 +21,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from dora_rl.config import MODES, DoraConfig
 from dora_rl.infra.logs import setup_logging
@@ -49,12 +51,27 @@ def cmd_run(args: argparse.Namespace) -> int:
                              weight_transport=args.weight_transport, num_instances=args.instances)
     summary = run(config, resolve_bootstrap(args.bootstrap_servers), Path(args.json) if args.json else None,
                   quiet=args.quiet)
+    _print_summary(summary)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from dora_rl.infra.broker import resolve_bootstrap
+    from dora_rl.launcher import resume
+
+    summary = resume(args.run_id, resolve_bootstrap(args.bootstrap_servers), steps=args.steps,
+                     json_path=Path(args.json) if args.json else None, quiet=args.quiet)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
     r = summary["reward_per_step"]
     print(f"run {summary['run_id']} ({summary['mode']}): {summary['steps']} steps in {summary['wall_s']:.1f}s "
           f"(warm-up {summary['warmup_s']:.1f}s), reward first5 {summary['reward_first5']:.3f} -> last5 "
           f"{summary['reward_last5']:.3f}, {summary['throughput_tokens_per_s']:.0f} trained tok/s, "
-          f"max staleness {summary['max_staleness_seen']:.0f}; per step: {[round(x, 3) for x in r]}")
-    return 0
+          f"max staleness {summary['max_staleness_seen']:.0f}, restarts {summary['restarts']}; "
+          f"per step: {[round(x, 3) for x in r]}")
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -171,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the machine-readable summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("resume", parents=[common], help="continue a run whose launcher died (roles restore from Kafka)")
+    p.add_argument("run_id")
+    p.add_argument("--steps", type=int, default=None, help="continue to this many steps (default: the run's)")
+    p.add_argument("--json", default=None, help="write the machine-readable summary here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("broker", help="the embedded Kafka broker")
     p.add_argument("action", choices=("start", "stop", "status"))

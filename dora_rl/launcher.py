@@ -14,6 +14,7 @@ update (the warm-up is reported apart as ``warmup_s``); ``wall_s`` is the whole 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,10 +33,11 @@ from tqdm import tqdm
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
-from dora_rl.infra.runs import finish_run, offsets_map, start_run
-from dora_rl.schemas.records import InstanceStatus, Metric
+from dora_rl.infra.runs import finish_run, get_run, offsets_map, publish, start_run
+from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
 from .roles import prompts_needed, run_dir
+from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ def prepare_topics(bootstrap: str, num_partitions: int) -> dict[str, str]:
 class Progress:
     """What the run command learns from ``dora.metrics`` and ``dora.instances``."""
 
+    steps: int = 0
+    """Steps the run must reach: only a trainer's ``done`` at or beyond it ends the run (a resumed run
+    with more steps reads the earlier ``done`` again)."""
     rewards: dict[int, float] = field(default_factory=dict)
     tokens: dict[int, float] = field(default_factory=dict)
     staleness: dict[int, float] = field(default_factory=dict)
@@ -97,19 +102,23 @@ class Progress:
                 self.version0_ms = m.ts_ms
             elif m.name == "sft_s":
                 self.warmup_s = m.value
-            elif m.name == "done":
+            elif m.name == "done" and m.value >= self.steps:
                 self.done = True
         self.extra.setdefault(f"{m.component}/{m.name}", []).append(m.value)
 
 
 def spawn(role: str, bootstrap: str, run_id: str, logs: Path, env: dict[str, str],
           index: int = 0) -> subprocess.Popen[bytes]:
-    """Start ``dora-rl <role>`` as a child process logging to ``logs/<role>[-i].log``."""
-    name = role if role not in ("rollout", "scorer") else f"{role}-{index}"
-    out: TextIO = (logs / f"{name}.log").open("w")
+    """Start ``dora-rl <role>`` as a child process appending to ``logs/<role>[-i].log``."""
+    name = role_name(role, index)
+    out: TextIO = (logs / f"{name}.log").open("a")
     cmd = [sys.executable, "-m", "dora_rl", role, "--bootstrap-servers", bootstrap, "--run-id", run_id,
            "--index", str(index)]
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def role_name(role: str, index: int = 0) -> str:
+    return role if role not in ("rollout", "scorer") else f"{role}-{index}"
 
 
 def stop_all(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
@@ -128,29 +137,80 @@ def stop_all(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -
 
 def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None = None,
         run_id: str | None = None, quiet: bool = False, stall_timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run the whole loop; returns (and optionally writes) the summary."""
+    """Record a new run and run it to the end; returns (and optionally writes) the summary."""
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
     prepare_topics(bootstrap, config.num_partitions)
     info = start_run(bootstrap, config, run_id)
     rdir = run_dir(info.run_id)
+    (rdir / "config.json").write_text(config.to_json())
+    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+
+
+def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, json_path: Path | None = None,
+           quiet: bool = False, stall_timeout_s: float = 600.0) -> dict[str, Any]:
+    """Continue run ``run_id`` (its launcher died, or the machine rebooted) to ``steps`` steps.
+
+    Orphan roles of the dead launcher (their process ids are in the run directory) are killed first;
+    the transactional roles would fence them anyway, this also stops orphan rollout instances from
+    doubling work. Every role restores its state from the run's topics."""
+    t_start = time.monotonic()
+    bootstrap = ensure_broker(bootstrap)
+    info = get_run(bootstrap, run_id)
+    config = DoraConfig.from_json(info.config_json)
+    if steps is not None and steps != config.steps:
+        config = dataclasses.replace(config, steps=steps).validate()
+        info = info.replace(config_json=config.to_json(), state="STARTED")
+        publish(bootstrap, info)
+    kill_orphans(run_dir(info.run_id))
+    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+
+
+def kill_orphans(rdir: Path) -> list[int]:
+    """SIGKILL the role processes a dead launcher left running (recorded in ``pids.json``)."""
+    path = rdir / "pids.json"
+    killed: list[int] = []
+    if not path.exists():
+        return killed
+    for pid in json.loads(path.read_text()).values():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if rdir.name.encode() in cmdline:  # still ours (pids are reused)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    if killed:
+        print(f"killed {len(killed)} orphan role(s) of the previous launcher: {killed}", file=sys.stderr)
+    return killed
+
+
+def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float, json_path: Path | None,
+              quiet: bool, stall_timeout_s: float) -> dict[str, Any]:
+    """Launch every role of ``info`` as a supervised process and follow the run to its end."""
+    rdir = run_dir(info.run_id)
     logs = rdir / "logs"
     logs.mkdir(exist_ok=True)
-    (rdir / "config.json").write_text(config.to_json())
     env = dict(os.environ)
-    env["DORA_WEIGHT_TOKEN"] = env.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16)
+    token_file = rdir / "weight-token"
+    if not token_file.exists():  # the same token across a resume: restarted holders keep serving peers
+        token_file.write_text(env.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16))
+        token_file.chmod(0o600)
+    env["DORA_WEIGHT_TOKEN"] = token_file.read_text().strip()
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     print(f"run {info.run_id}: mode={config.mode} steps={config.steps} bootstrap={bootstrap} logs={logs}",
           file=sys.stderr)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    procs["dataset"] = spawn("dataset", bootstrap, info.run_id, logs, env)
-    procs["trainer"] = spawn("trainer", bootstrap, info.run_id, logs, env)
-    procs["scorer-0"] = spawn("scorer", bootstrap, info.run_id, logs, env)
-    procs["assembler"] = spawn("assembler", bootstrap, info.run_id, logs, env)
-    procs["orchestrator"] = spawn("orchestrator", bootstrap, info.run_id, logs, env)
+    sup = Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, env, index))
+    for role in ("dataset", "trainer", "scorer", "assembler", "orchestrator"):
+        sup.start(role_name(role), role)
     for i in range(config.num_instances):
-        procs[f"rollout-{i}"] = spawn("rollout", bootstrap, info.run_id, logs, env, i)
+        sup.start(role_name("rollout", i), "rollout", i)
+
+    def record_pids() -> None:
+        (rdir / "pids.json").write_text(json.dumps({n: p.pid for n, p in sup.processes().items()}))
+
+    record_pids()
 
     def on_term(signum: int, frame: object) -> None:  # a killed launcher must not orphan its roles
         raise KeyboardInterrupt
@@ -161,7 +221,7 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
                           {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
                           DeadLetters(producer, "launcher", info.run_id), offsets_map(info),
                           group_suffix=f".{now_ms()}")
-    progress = Progress()
+    progress = Progress(steps=config.steps)
     failed: str | None = None
     trainer_exit: float | None = None
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", disable=quiet, file=sys.stderr)
@@ -183,20 +243,24 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
                 live = sorted(set(progress.instance_versions.values()))
                 bar.set_postfix(reward=f"{progress.rewards[last]:.3f}",
                                 tok_s=f"{sum(progress.tokens.values()) / elapsed:.0f}", versions=str(live))
-            dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
-            if procs["trainer"].poll() == 0 and not progress.done:
+            pids = [p.pid for p in sup.processes().values()]
+            failed = sup.check()
+            if failed:
+                failed = f"{failed}; see {logs}"
+                break
+            if [p.pid for p in sup.processes().values()] != pids:
+                record_pids()
+            if sup.finished("trainer") and not progress.done:
                 trainer_exit = trainer_exit or time.monotonic()
                 if time.monotonic() - trainer_exit > 30:
-                    dead.append("trainer")
-            if dead and not progress.done:
-                failed = f"role(s) {dead} exited early (exit codes {[procs[n].returncode for n in dead]}); see {logs}"
-                break
+                    failed = f"the trainer finished but reported no 'done' metric; see {logs}"
+                    break
     except KeyboardInterrupt:
         failed = "interrupted"
     finally:
         bar.close()
         watcher.close()
-        stop_all(procs)
+        stop_all(sup.processes())
         signal.signal(signal.SIGTERM, previous)
     steps_done = len(progress.rewards)
     reward_per_step = [progress.rewards[k] for k in sorted(progress.rewards)]
@@ -211,7 +275,7 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
         "reward_first5": sum(reward_per_step[:5]) / max(1, len(reward_per_step[:5])),
         "reward_last5": sum(reward_per_step[-5:]) / max(1, len(reward_per_step[-5:])),
         "prompts": prompts_needed(config), "config": json.loads(config.to_json()), "logs": str(logs),
-        "failed": failed,
+        "restarts": sup.restarts(), "failed": failed,
     }
     finish_run(bootstrap, info, json.dumps(summary), failed=failed is not None)
     if json_path is not None:

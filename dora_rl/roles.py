@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from dora_rl.config import DoraConfig
+from dora_rl.infra import topics
 from dora_rl.infra.kafka_dist import dora_home
 from dora_rl.infra.runs import get_run, offsets_map
 
@@ -78,8 +79,9 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) ->
         from dora_rl.producers.dataset import produce_prompts
 
         _, tok = load_policy(resolve_model(config.model, config.seed))
+        prompts_start = {p: o for (t, p), o in start.items() if t == topics.PROMPTS}
         n = produce_prompts(bootstrap, info.run_id, config.task, prompts_needed(config), config.seed, tok,
-                            config.num_partitions)
+                            config.num_partitions, prompts_start)
         log.info("wrote %d prompts", n)
     else:
         raise ValueError(f"unknown role {role!r}; roles: {ROLES}")

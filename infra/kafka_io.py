@@ -129,6 +129,21 @@ class Envelope:
     record: Any
 
 
+def dead_letter(msg: Message, component: str, run_id: str | None, reason: str, error_type: str,
+                value: bytes | None = None) -> DeadLetter:
+    """The dead letter of a refused message: the reason and the original bytes and position."""
+    return DeadLetter(component=component, reason=reason[:2000], error_type=error_type,
+                      source_topic=msg.topic() or "", source_partition=msg.partition() or 0,
+                      source_offset=msg.offset() or 0, ts_ms=now_ms(), run_id=run_id, key=msg.key(),
+                      value=msg.value() if value is None else value)
+
+
+def letter_key(msg: Message) -> str:
+    """Key of a dead letter: the refused record's key, else its position."""
+    key = msg.key()
+    return key.decode(errors="replace") if key else f"{msg.topic()}/{msg.partition()}/{msg.offset()}"
+
+
 class DeadLetters:
     """Writes refused records to ``dora.dlq`` and counts them."""
 
@@ -142,19 +157,17 @@ class DeadLetters:
                value: bytes | None = None) -> None:
         """Dead-letter ``msg`` with ``reason``; never raises for an oversized original value."""
         if isinstance(msg, Envelope):
-            topic, partition, offset, key = msg.topic, msg.partition, msg.offset, msg.key
-            raw = value
+            letter = DeadLetter(component=self.component, reason=reason[:2000], error_type=error_type,
+                                source_topic=msg.topic, source_partition=msg.partition, source_offset=msg.offset,
+                                ts_ms=now_ms(), run_id=self.run_id, key=msg.key, value=value)
+            dlq_key = msg.key.decode(errors="replace") if msg.key else f"{msg.topic}/{msg.partition}/{msg.offset}"
         else:
-            topic, partition, offset, key = msg.topic() or "", msg.partition() or 0, msg.offset() or 0, msg.key()
-            raw = msg.value() if value is None else value
-        letter = DeadLetter(component=self.component, reason=reason[:2000], error_type=error_type,
-                            source_topic=topic or "", source_partition=partition or 0,
-                            source_offset=offset or 0, ts_ms=now_ms(), run_id=self.run_id,
-                            key=key, value=raw)
-        dlq_key = key.decode(errors="replace") if key else f"{topic}/{partition}/{offset}"
+            letter = dead_letter(msg, self.component, self.run_id, reason, error_type, value)
+            dlq_key = letter_key(msg)
         self.producer.send_raw(topics.DLQ, letter.encode()[0], dlq_key.encode(), letter.encode()[1])
         self.count += 1
-        log.warning("dead-lettered %s[%s]@%s from %s: %s", topic, partition, offset, self.component, reason)
+        log.warning("dead-lettered %s[%s]@%s from %s: %s", letter.source_topic, letter.source_partition,
+                    letter.source_offset, self.component, reason)
 
 
 class Metrics:
@@ -311,5 +324,41 @@ def read_all(bootstrap: str, topic: str, start: Mapping[int, int] | None = None,
             for msg in msgs:
                 if msg.error() is None and (msg.offset() or 0) < ends[msg.partition() or 0]:
                     yield msg
+    finally:
+        consumer.close()
+
+
+def read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float = 15.0) -> list[Message]:
+    """Committed records of ``tp`` in ``[start, end)`` (transaction markers occupy offsets but are skipped)."""
+    consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
+    out: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        pos = consumer.position([TopicPartition(tp.topic, tp.partition)])[0].offset
+        if pos >= end:
+            return out
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"reading {tp.topic}[{tp.partition}] {start}..{end}: stalled at {pos}")
+        for msg in consumer.consume(500, 0.2):
+            if msg.error() is None and (msg.offset() or 0) < end:
+                out.append(msg)
+
+
+def read_backwards(bootstrap: str, topic: str, partition: int = 0, stop_at: int = 0, window: int = 256,
+                   timeout: float = 15.0) -> Iterable[list[Message]]:
+    """Windows of a partition's committed records from its end towards ``stop_at`` (newest window
+    first, records in log order inside a window): finds the latest records without reading the log."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dora-backwards-{now_ms()}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "fetch.max.bytes": topics.BATCH_MAX_BYTES,
+                         "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
+    try:
+        tp = TopicPartition(topic, partition)
+        low, end = watermarks(consumer, tp, timeout)
+        low = max(low, stop_at)
+        while end > low:
+            start = max(low, end - window)
+            yield read_range(consumer, tp, start, end, timeout)
+            end = start
     finally:
         consumer.close()

@@ -48,6 +48,7 @@ DLQ = "dora.dlq"
 METRICS = "dora.metrics"
 RUNS = "dora.runs"
 SCHEDULE = "dora.schedule"
+STATE = "dora.state"
 
 Partitioning = Literal["group_id", "instance", "single"]
 Cleanup = Literal["delete", "compact"]
@@ -80,7 +81,8 @@ _ROLE_ENTRY = "dora_rl/roles.py"  # every role reads its run from dora.runs here
 
 ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("dataset", "role", "dora-rl dataset", ("producers/dataset.py", _ROLE_ENTRY), "writes a run's prompts"),
-    Actor("orchestrator", "role", "dora-rl orchestrator", ("streams/orchestrator.py", _ROLE_ENTRY),
+    Actor("orchestrator", "role", "dora-rl orchestrator",
+          ("streams/orchestrator.py", "streams/kafka_runtime.py", _ROLE_ENTRY),
           "dispatches version-tagged requests, migrates trajectories, plans every batch"),
     Actor("rollout", "role", "dora-rl rollout --index i", ("producers/rollout/worker.py", _ROLE_ENTRY),
           "a rollout instance: holds one policy version, generates what it is asked"),
@@ -97,7 +99,8 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("replay", "tool", "dora-rl replay", ("consumers/replay.py",),
           "a run's records as JSON lines (any catalogue topic via --topic)"),
     Actor("runs", "tool", "dora-rl runs", ("infra/runs.py",), "lists the runs recorded on the cluster"),
-    Actor("bench", "tool", "make bench-modes", ("bench/modes.py",), "reads a finished run's figures back"),
+    Actor("bench", "tool", "make bench-modes, bench/chaos.py", ("bench/modes.py", "bench/chaos.py"),
+          "reads runs' figures back (chaos: kill times against each role's first new output)"),
 )}
 """Every role and tool named as a writer or reader, by name."""
 
@@ -192,7 +195,7 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                   notes="The orchestrator reads completions (instance load, batch planning); the key's "
                         "version is the request's."),
         TopicSpec(SCORED, num_partitions, "dora.v1.Trajectory", "trajectories with their reward",
-                  writers=("scorer",), readers=("assembler", "replay"),
+                  writers=("scorer",), readers=("assembler", "replay", "bench"),
                   key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
                   notes="Written in Kafka transactions (consumed offsets included): exactly-once from "
                         "`dora.rollout.trajectories`. Default topic of `dora-rl replay`."),
@@ -208,7 +211,7 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "own dispatches and the completions."),
         TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion",
                   "policy version announcements (weights move out of band), in one order",
-                  writers=("trainer", "rollout"), readers=("orchestrator", "rollout"),
+                  writers=("trainer", "rollout"), readers=("orchestrator", "rollout", "trainer", "audit", "bench"),
                   key="v<version:010d>/policy", partitioning="single", retention_ms=week,
                   max_message_bytes=8 * MIB,
                   notes="The trainer announces each new version; with the torch engine over ucx/tcp, an "
@@ -238,6 +241,14 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                   writers=("orchestrator",), readers=("assembler",),
                   key="v<train_step:010d>/plan", partitioning="single", retention_ms=week,
                   notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
+        TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",
+                  "stream processors' state: one snapshot per commit, in the commit's transaction",
+                  writers=("orchestrator",), readers=("orchestrator", "bench"),
+                  key="<run_id>/<processor>", partitioning="single", retention_ms=None, cleanup="compact",
+                  max_message_bytes=BATCH_MAX_BYTES,
+                  notes="Written with the processor's outputs and consumed offsets in one transaction "
+                        "(streams/kafka_runtime.py); a restarted processor reads its latest snapshot "
+                        "backwards from the end (docs/decisions/0015)."),
         TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle: config, start offsets, state, summary",
                   writers=("run",), readers=(*ROLE_NAMES, "monitor", "audit", "replay", "runs", "bench"),
                   key="run/<run_id>", partitioning="single", retention_ms=None, cleanup="compact",

@@ -45,13 +45,16 @@ class Publisher:
         return str(self._server.address)
 
     def publish(self, version: int, step: int, state_dict: dict[str, torch.Tensor],
-                metrics: dict[str, float] | None = None) -> PolicyVersion:
+                metrics: dict[str, float] | None = None, checkpoint_uri: str | None = None,
+                announced_by: str = PolicyVersion.TRAINER) -> PolicyVersion:
         """Make ``version`` fetchable and return its announcement (not yet sent)."""
         manifest = self._server.serve(version, state_dict)
         self._served.append(version)
         while len(self._served) > self.keep:
             self.retire(self._served.pop(0))
-        return manifest.announce(self.run_id, step, self.transport, [self.endpoint], metrics=metrics)
+        ann = manifest.announce(self.run_id, step, self.transport, [self.endpoint], metrics=metrics,
+                                announced_by=announced_by)
+        return ann.replace(checkpoint_uri=checkpoint_uri)
 
     def retire(self, version: int) -> None:
         """Stop serving ``version`` and free its memory / files."""

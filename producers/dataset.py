@@ -3,6 +3,11 @@
 Writes ``dora.prompts`` (key ``v-/<group_id>``, partition from the group id); read by the
 orchestrator. Prompt ``i`` of a run has ``prompt_id = group_id = "<run_id>/p<i>"``; the stream is
 deterministic in ``(task, seed)``, so a replayed or resumed run sees the same prompts.
+
+Idempotent: the prompts written by one process commit in one Kafka transaction
+(``transactional.id = dora.<run>.dataset``, so a restarted producer fences its predecessor), hence the
+committed prompts of a run are always a prefix ``p0 .. p<k-1>``; a restarted (or resumed, with more
+steps) producer counts that prefix and writes only ``p<k> ..``. No prompt id is ever written twice.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, now_ms
+from dora_rl.infra.kafka_io import RecordProducer, now_ms, read_all
 from dora_rl.infra.keys import make_key, partition_for
+from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import Prompt
 
 
@@ -33,14 +39,34 @@ def generate_prompts(run_id: str, task_name: str, count: int, seed: int, tokeniz
                      prompt_ids=np.asarray(ids, dtype=np.int32), reference=sample.reference, created_ms=now_ms())
 
 
+def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
+    """How many prompts of ``run_id`` are committed (their ids are the prefix ``p0 .. p<k-1>``)."""
+    k = 0
+    for msg in read_all(bootstrap, topics.PROMPTS, start):
+        try:
+            prompt = Prompt.decode(msg.value(), msg.headers())
+        except DecodeError:
+            continue
+        if prompt.run_id == run_id:
+            k = max(k, int(prompt.prompt_id.rsplit("/p", 1)[1]) + 1)
+    return k
+
+
 def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, seed: int, tokenizer: object,
-                    num_partitions: int) -> int:
-    """Write the prompts; returns how many were written (all flushed)."""
-    producer = RecordProducer(bootstrap, f"dataset-{run_id}")
+                    num_partitions: int, start: dict[int, int] | None = None) -> int:
+    """Write the prompts not written yet, in one transaction; returns how many were written."""
+    producer = RecordProducer(bootstrap, f"dataset-{run_id}", **{"transactional.id": f"dora.{run_id}.dataset"})
+    producer.raw.init_transactions(60)
+    have = prompts_written(bootstrap, run_id, start or {})
+    if have >= count:
+        return 0
+    producer.raw.begin_transaction()
     n = 0
-    for prompt in generate_prompts(run_id, task_name, count, seed, tokenizer):
+    for i, prompt in enumerate(generate_prompts(run_id, task_name, count, seed, tokenizer)):
+        if i < have:
+            continue  # drawn anyway: the stream stays deterministic in (task, seed)
         producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id),
                       partition=partition_for(prompt.group_id, num_partitions))
         n += 1
-    producer.flush()
+    producer.raw.commit_transaction(120)
     return n

@@ -43,6 +43,7 @@ SCHEMA_FILES: dict[str, str] = {
     "dora.v1.Metric": "metric.avsc",
     "dora.v1.RunInfo": "run_info.avsc",
     "dora.v1.BatchPlan": "batch_plan.avsc",
+    "dora.v1.ProcessorSnapshot": "processor_snapshot.avsc",
 }
 
 

@@ -352,9 +352,21 @@ class BatchPlan(Record):
     ts_ms: int
 
 
+@dataclass(frozen=True)
+class ProcessorSnapshot(Record):
+    """A stream processor's state at one commit. Topic ``dora.state`` (see ``docs/topics.md``)."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.ProcessorSnapshot"
+    run_id: str
+    processor: str
+    commit: int
+    ts_ms: int
+    state: bytes
+
+
 #: Every top-level record class by schema name.
 RECORDS: dict[str, type[Record]] = {
     cls.SCHEMA: cls
     for cls in (Prompt, RolloutRequest, TokenChunk, Trajectory, InstanceStatus, PolicyVersion,
-                TrainBatch, DeadLetter, Metric, RunInfo, BatchPlan)
+                TrainBatch, DeadLetter, Metric, RunInfo, BatchPlan, ProcessorSnapshot)
 }

@@ -5,8 +5,11 @@ Reads ``dora.rollout.scored``; writes ``dora.train.batches`` (trajectories inlin
 
 State: trajectories buffered but not yet in a batch live in a changelog-backed Faust table
 (``pending``: trajectory id -> raw record bytes), so a restarted assembler recovers its buffer
-from Kafka. The step counter and the ids already batched are recovered from ``dora.train.batches``
-before the worker starts. Duplicates (redeliveries) are dropped by trajectory id; the trainer is
+from Kafka. The step counter and the ids of the last ``S + 2`` batches are recovered from the end of
+``dora.train.batches``, and the plans of the steps not yet cut from the end of ``dora.schedule``,
+before the worker starts. A complete group past its deadline that no plan names is a copy of
+trajectories trained already (an instance regenerated them after a restart): it is dropped and
+counted (``duplicates_dropped``), never batched. Duplicates (redeliveries) are dropped by trajectory id; the trainer is
 idempotent on ``batch_id`` as a second line of defence.
 
 One assembler is active per run (it needs the global view to cut batches across partitions); a
@@ -24,7 +27,8 @@ import faust
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import now_ms, read_all
+from dora_rl.infra.crashpoints import crash_point
+from dora_rl.infra.kafka_io import now_ms, read_backwards
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, TrainBatch, Trajectory
@@ -35,20 +39,47 @@ log = logging.getLogger(__name__)
 COMPONENT = "assembler"
 
 
-def recover_progress(bootstrap: str, run_id: str, start: Mapping[int, int]) -> tuple[int, list[Trajectory]]:
-    """(next train step, trajectories already batched) of ``run_id`` from ``dora.train.batches``."""
-    next_step = 0
-    batched: list[Trajectory] = []
-    for msg in read_all(bootstrap, topics.BATCHES, start):
-        try:
-            batch = TrainBatch.decode(msg.value(), msg.headers())
-        except DecodeError:
-            continue
-        if batch.run_id != run_id:
-            continue
-        next_step = max(next_step, int(batch.train_step) + 1)
-        batched.extend(batch.trajectories)
-    return next_step, batched
+def recover_progress(bootstrap: str, run_id: str, start: Mapping[int, int],
+                     keep_steps: int) -> tuple[int, list[Trajectory]]:
+    """(next train step, trajectories of the last ``keep_steps`` batches) of ``run_id``, read backwards
+    from the end of ``dora.train.batches`` (no replay of the run: batches carry whole trajectories)."""
+    batches: list[TrainBatch] = []
+    for window in read_backwards(bootstrap, topics.BATCHES, 0, stop_at=start.get(0, 0), window=16):
+        for msg in reversed(window):
+            try:
+                batch = TrainBatch.decode(msg.value(), msg.headers())
+            except DecodeError:
+                continue
+            if batch.run_id == run_id:
+                batches.append(batch)
+        if len(batches) >= keep_steps:
+            break
+    if not batches:
+        return 0, []
+    next_step = max(int(b.train_step) for b in batches) + 1
+    return next_step, [t for b in batches[:keep_steps] for t in b.trajectories]
+
+
+def recover_plans(bootstrap: str, run_id: str, start: Mapping[int, int], next_step: int) -> list[BatchPlan]:
+    """The plans of steps ``>= next_step`` (the orchestrator sends each plan once), read backwards from
+    the end of ``dora.schedule`` until an older step is reached."""
+    plans: list[BatchPlan] = []
+    for window in read_backwards(bootstrap, topics.SCHEDULE, 0, stop_at=start.get(0, 0)):
+        older = False
+        for msg in window:
+            try:
+                plan = BatchPlan.decode(msg.value(), msg.headers())
+            except DecodeError:
+                continue
+            if plan.run_id != run_id:
+                continue
+            if int(plan.train_step) >= next_step:
+                plans.append(plan)
+            else:
+                older = True
+        if older:
+            break
+    return plans
 
 
 def _headers(event: Any) -> list[tuple[str, bytes]]:
@@ -64,6 +95,8 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
         topic_partitions=config.num_partitions, producer_max_request_size=topics.BATCH_MAX_BYTES,
         consumer_max_fetch_size=topics.BATCH_MAX_BYTES, producer_acks=-1, broker_commit_every=100,
         consumer_auto_offset_reset="earliest", stream_wait_empty=False, table_cleanup_interval=3600.0,
+        # a restarted worker rejoins after the dead one's session expires: keep that short
+        broker_session_timeout=10.0, broker_heartbeat_interval=2.0,
     )
     scored = app.topic(topics.SCORED, key_type=bytes, value_type=bytes, key_serializer="raw",
                        value_serializer="raw", partitions=config.num_partitions)
@@ -80,13 +113,15 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
     batches_start = {p: o for (t, p), o in start_offsets.items() if t == topics.BATCHES}
     scored_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCORED}
     schedule_start = {p: o for (t, p), o in start_offsets.items() if t == topics.SCHEDULE}
-    state: dict[str, Any] = {"assembler": None, "refused": 0}
+    state: dict[str, Any] = {"assembler": None, "refused": 0, "duplicates": 0}
 
     def assembler() -> BatchAssembler:
         if state["assembler"] is None:
-            next_step, batched = recover_progress(bootstrap, run_id, batches_start)
+            next_step, batched = recover_progress(bootstrap, run_id, batches_start, config.max_staleness + 2)
             asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness, next_step)
             asm.mark_seen(batched)
+            for plan in recover_plans(bootstrap, run_id, schedule_start, next_step):
+                asm.on_plan(int(plan.train_step), plan.trajectory_ids)
             for _tid, value in list(pending.items()):  # recovered from the changelog
                 asm.add(Trajectory.decode(value))  # ids batched already count as duplicates
             state["assembler"] = asm
@@ -110,11 +145,9 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
 
     async def try_cut(event: Any) -> None:
         asm = assembler()
-        for bad in asm.refuse_over_stale():
-            state["refused"] += 1
-            await refuse(event, f"over-stale: trajectory {bad.trajectory_id} of version "
-                         f"{bad.policy_version} for step {asm.next_step} (S={config.max_staleness})", "stale")
-            pending.pop(bad.trajectory_id.encode(), None)
+        for dup in asm.drop_expired_unplanned():  # copies of trajectories trained already (regenerated)
+            state["duplicates"] += 1
+            pending.pop(dup.trajectory_id.encode(), None)
         while (cut := asm.cut()) is not None:
             for problem in asm.violations(cut):  # never in a correct run: the safety gate
                 state["refused"] += 1
@@ -126,12 +159,14 @@ def build_app(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: di
             value, headers = batch.encode()
             await batches.send(key=make_key(cut.train_step, f"step{cut.train_step}").encode(),
                                value=value, headers=headers)
+            crash_point("assembler.after_batch")
             for t in cut.trajectories:
                 pending.pop(t.trajectory_id.encode(), None)
             stale = cut.staleness()
             await metric("batch_emitted", len(cut.trajectories), cut.train_step)
             await metric("batch_max_staleness", max(stale), cut.train_step)
-            await metric("over_stale_refused", state["refused"], cut.train_step)
+            await metric("batch_refused", state["refused"], cut.train_step)
+            await metric("duplicates_dropped", state["duplicates"], cut.train_step)
             log.info("batch step %d: %d trajectories, staleness max %d", cut.train_step,
                      len(cut.trajectories), max(stale))
 

@@ -145,6 +145,21 @@ class BatchAssembler:
             refused.extend(self._complete.pop(gid).members.values())
         return refused
 
+    def drop_expired_unplanned(self) -> list[HasVersion]:
+        """With plans: remove and return complete groups past their deadline that no plan names.
+
+        The planner plans every dispatched trajectory once, before its deadline, so such a group is a
+        copy of trajectories batched already (regenerated after a restart), not a refusal."""
+        planned = {t for ids in self._plans.values() for t in ids}
+        out: list[HasVersion] = []
+        for gid in [g for g, grp in self._complete.items()
+                    if self.next_step > self.bound.deadline(grp.min_version())
+                    and not planned.intersection(grp.members)]:
+            out.extend(self._complete.pop(gid).members.values())
+        for t in out:
+            self._by_id.pop(t.trajectory_id, None)
+        return out
+
     def cut(self) -> AssembledBatch | None:
         """The batch for ``next_step``: with plans, once every planned trajectory has arrived; without,
         once enough eligible complete groups exist. None while it must wait."""

@@ -1,16 +1,24 @@
 """The orchestrator role: feeds events into the scheduling rules and emits version-tagged requests.
 
-Reads ``dora.prompts``, ``dora.policy.versions``, ``dora.rollout.trajectories`` (completions) and
-``dora.train.batches`` (consumption); writes ``dora.rollout.requests`` with partition = the target
-instance's index and key ``v<version>/<group_id>``.
+Reads ``dora.prompts``, ``dora.policy.versions``, ``dora.rollout.trajectories`` (completions),
+``dora.train.batches`` (consumption) and, in ``dora``/``partial`` mode, the aborted chunks of
+``dora.rollout.tokens`` (partials of migrating trajectories); writes ``dora.rollout.requests``
+(partition = the target instance's index, key ``v<version>/<group_id>``), ``dora.schedule`` (batch
+plans) and ``dora.metrics``.
 
-Recovery: the orchestrator commits no offsets. On (re)start it reads every input from the run's
-start offsets and *also* its own past output (``dora.rollout.requests``) so that a prompt already
-dispatched is never dispatched twice; its state is therefore a pure function of the topics.
+It is a :class:`~dora_rl.streams.processor.Processor`: events go into the rules in :meth:`process`,
+decisions come out in :meth:`punctuate` (once per poll: the rules' feasibility checks cost
+``O(RBS log RBS)`` per call), and :meth:`snapshot` is the rules' state with queued prompts and
+migrating partials kept as references into the log. Run by
+:class:`~dora_rl.streams.kafka_runtime.KafkaDriver`, every commit puts the requests and plans decided,
+the snapshot and the consumed positions in one transaction: a restarted orchestrator restores the
+state its committed decisions were made in, so no prompt is dispatched twice or lost, and a zombie
+is fenced. Recovery reads one snapshot and the referenced records, not the run's history.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,113 +28,177 @@ import numpy as np
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import (
     BatchPlan,
+    Metric,
     PolicyVersion,
     Prompt,
+    Record,
     RolloutRequest,
     TokenChunk,
     TrainBatch,
     Trajectory,
 )
 
-from .scheduling import Dispatch, make_scheduler
+from .processor import Context, InRecord, Ref
+from .scheduler_state import dump_state, load_state, payloads
+from .scheduling import make_scheduler
 
 log = logging.getLogger(__name__)
 COMPONENT = "orchestrator"
 
 
-def request_for(run_id: str, d: Dispatch[Prompt], config: DoraConfig) -> RolloutRequest:
-    """The request record of one dispatch."""
-    p = d.prompt
-    return RolloutRequest(
-        run_id=run_id, trajectory_id=d.trajectory_id, group_id=d.group_id, prompt_id=p.prompt_id,
-        sample_index=d.sample_index, group_size=config.group_size, policy_version=d.version,
-        instance_id=f"rollout-{d.instance}", action="GENERATE", task=p.task, reference=p.reference,
-        prompt_ids=p.prompt_ids, partial_ids=p.prompt_ids[:0], partial_logprobs=p.prompt_ids[:0].astype("<f4"),
-        max_new_tokens=config.max_new_tokens, dispatched_ms=now_ms())
+def input_types(config: DoraConfig) -> dict[str, type[Record]]:
+    """The topics the orchestrator reads in ``config.mode`` and their record types."""
+    types: dict[str, type[Record]] = {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion,
+                                      topics.TRAJECTORIES: Trajectory, topics.BATCHES: TrainBatch}
+    if config.mode in ("dora", "partial"):
+        types[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
+    return types
+
+
+class Orchestrator:
+    """The orchestrator's logic (a processor; see the module docstring)."""
+
+    name = COMPONENT
+
+    def __init__(self, run_id: str, config: DoraConfig) -> None:
+        self.run_id, self.config = run_id, config
+        self.inputs = tuple(input_types(config))
+        self.rules = make_scheduler(config)
+        self.prompts: dict[str, Prompt] = {}  # queued or dispatched-and-unconsumed groups
+        self.prompt_ref: dict[str, Ref] = {}
+        self.partial_ref: dict[str, Ref] = {}  # aborted chunks awaiting their resume
+        self.segments: dict[str, list[int]] = {}  # partial mode: version of every token so far
+        self.consumed_steps = 0
+        self.sched_s = 0.0
+
+    # -- processor -----------------------------------------------------------------------------
+
+    def init(self, ctx: Context) -> None:
+        pass
+
+    def process(self, rec: InRecord, ctx: Context) -> None:
+        r = rec.record
+        t0 = time.perf_counter()
+        if rec.topic == topics.PROMPTS:
+            if r.group_id not in self.prompt_ref:  # a rerun of the dataset writes the same ids again
+                self.prompts[r.group_id], self.prompt_ref[r.group_id] = r, rec.ref
+                self.rules.add_prompt(r.group_id, r)
+        elif rec.topic == topics.VERSIONS:
+            self.rules.on_version(int(r.version), ctx.now())
+        elif rec.topic == topics.TRAJECTORIES:
+            self.rules.on_completed(r.trajectory_id)
+        elif rec.topic == topics.BATCHES:
+            self.consumed_steps = max(self.consumed_steps, int(r.train_step) + 1)
+            tids = [t.trajectory_id for t in r.trajectories]
+            self.rules.on_consumed(int(r.train_step), tids)
+            for t in r.trajectories:
+                self.segments.pop(t.trajectory_id, None)
+                self.prompts.pop(t.group_id, None)
+                self.prompt_ref.pop(t.group_id, None)
+        elif rec.topic == topics.TOKENS and r.aborted:
+            self.partial_ref[r.trajectory_id] = rec.ref
+            self.rules.on_aborted(r.trajectory_id, r, int(r.instance_id.rsplit("-", 1)[-1]))
+        self.sched_s += time.perf_counter() - t0
+
+    def punctuate(self, now: float, ctx: Context) -> None:
+        t0 = time.perf_counter()
+        self.rules.tick(now)
+        out = 0
+        for d in self.rules.dispatch():
+            req = self._request(d.prompt, d.trajectory_id, d.version, d.instance, ctx)
+            ctx.emit(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
+            out += 1
+        for cancel in self.rules.take_cancels():
+            for tid in cancel.trajectory_ids:
+                version = self.rules.version_of(tid)
+                req = self._request(self._prompt_of(tid), tid, version, cancel.instance, ctx).replace(
+                    action="CANCEL")
+                ctx.emit(topics.REQUESTS, req, make_key(version, req.group_id), partition=cancel.instance)
+            self._metric(ctx, "migrations_started", len(cancel.trajectory_ids))
+        for mig, target in self.rules.resumes():
+            chunk: TokenChunk = mig.partial
+            self.partial_ref.pop(mig.trajectory_id, None)
+            extra: dict[str, Any] = {}
+            if self.config.mode == "partial":
+                tv = self.segments.setdefault(mig.trajectory_id, [])
+                tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
+                extra = {"partial_versions": np.asarray(tv, dtype=np.int64)}
+            req = self._request(self._prompt_of(mig.trajectory_id), mig.trajectory_id, mig.version, target,
+                                ctx).replace(partial_ids=chunk.token_ids, partial_logprobs=chunk.logprobs, **extra)
+            ctx.emit(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
+            out += 1
+        for step, tids in self.rules.plans():
+            plan = BatchPlan(run_id=self.run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=ctx.wall_ms())
+            ctx.emit(topics.SCHEDULE, plan, make_key(step, "plan"))
+            out += 1
+        self.sched_s += time.perf_counter() - t0
+        if out:
+            self._metric(ctx, "scheduling_s", self.sched_s)
+
+    def done(self) -> bool:
+        """Every trajectory dispatched and every step consumed."""
+        return self.rules.done() and self.consumed_steps >= self.config.steps
+
+    def snapshot(self) -> bytes:
+        state = {"rules": dump_state(self.rules, self._dump), "consumed_steps": self.consumed_steps,
+                 "prompt_ref": {g: r.to_list() for g, r in self.prompt_ref.items()},
+                 "partial_ref": {t: r.to_list() for t, r in self.partial_ref.items()},
+                 "segments": self.segments, "sched_s": self.sched_s}
+        return json.dumps(state, separators=(",", ":")).encode()
+
+    def restore(self, snapshot: bytes, ctx: Context) -> None:
+        state = json.loads(snapshot)
+        self.prompt_ref = {g: Ref.from_list(r) for g, r in state["prompt_ref"].items()}
+        self.partial_ref = {t: Ref.from_list(r) for t, r in state["partial_ref"].items()}
+        records = ctx.fetch_many([*self.prompt_ref.values(), *self.partial_ref.values()])
+        self.prompts = {g: records[r] for g, r in self.prompt_ref.items()}
+        wanted = {tuple(p) for p in payloads(state["rules"])}
+        missing = wanted - {tuple(r.to_list()) for r in (*self.prompt_ref.values(), *self.partial_ref.values())}
+        if missing:
+            raise RuntimeError(f"orchestrator snapshot references records it does not track: {sorted(missing)[:3]}")
+        load_state(self.rules, state["rules"], lambda p: records[Ref.from_list(p)])
+        self.segments = {t: [int(v) for v in vs] for t, vs in state["segments"].items()}
+        self.consumed_steps = int(state["consumed_steps"])
+        self.sched_s = float(state["sched_s"])
+
+    def close(self) -> None:
+        log.info("orchestrator stopping: %s", self.rules.describe())
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _dump(self, payload: Any) -> list[Any]:
+        if isinstance(payload, Prompt):
+            return self.prompt_ref[payload.group_id].to_list()
+        if isinstance(payload, TokenChunk):
+            return self.partial_ref[payload.trajectory_id].to_list()
+        raise TypeError(f"cannot reference a {type(payload).__name__} in a snapshot")
+
+    def _prompt_of(self, trajectory_id: str) -> Prompt:
+        return self.prompts[trajectory_id.rsplit("/", 1)[0]]
+
+    def _request(self, p: Prompt, trajectory_id: str, version: int, instance: int, ctx: Context) -> RolloutRequest:
+        """A GENERATE request for trajectory ``<group>/<i>`` of prompt ``p`` on ``instance``."""
+        return RolloutRequest(
+            run_id=self.run_id, trajectory_id=trajectory_id, group_id=p.group_id, prompt_id=p.prompt_id,
+            sample_index=int(trajectory_id.rsplit("/", 1)[1]), group_size=self.config.group_size,
+            policy_version=version, instance_id=f"rollout-{instance}", action="GENERATE", task=p.task,
+            reference=p.reference, prompt_ids=p.prompt_ids, partial_ids=p.prompt_ids[:0],
+            partial_logprobs=p.prompt_ids[:0].astype("<f4"), max_new_tokens=self.config.max_new_tokens,
+            dispatched_ms=ctx.wall_ms())
+
+    def _metric(self, ctx: Context, name: str, value: float) -> None:
+        m = Metric(run_id=self.run_id, component=COMPONENT, name=name, value=float(value), ts_ms=ctx.wall_ms())
+        ctx.emit(topics.METRICS, m, f"{COMPONENT}/{name}")
 
 
 def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
                      start_offsets: dict[tuple[str, int], int], stop: Callable[[], bool] = lambda: False) -> None:
     """Run until every trajectory is dispatched and every step consumed (or ``stop()``)."""
-    producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}")
-    dlq = DeadLetters(producer, COMPONENT, run_id)
-    metrics = Metrics(producer, run_id, COMPONENT)
-    inputs: dict[str, type[Any]] = {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion,
-                                    topics.TRAJECTORIES: Trajectory, topics.BATCHES: TrainBatch,
-                                    topics.REQUESTS: RolloutRequest}
-    if config.mode in ("dora", "partial"):
-        inputs[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
-    consumer = RunConsumer(bootstrap, run_id, COMPONENT, inputs, dlq, start_offsets, group_suffix=f".{now_ms()}")
-    scheduler = make_scheduler(config)
-    requests: dict[str, RolloutRequest] = {}
-    segments: dict[str, list[int]] = {}  # partial mode: version of every token generated so far
-    already: set[str] = set()
-    sched_s = 0.0
-    consumed_steps = 0
-    try:
-        while not stop():
-            envelopes = consumer.poll(0.1)
-            t0 = time.perf_counter()
-            for env in envelopes:
-                rec = env.record
-                if env.topic == topics.PROMPTS:
-                    if rec.group_id not in already:
-                        scheduler.add_prompt(rec.group_id, rec)
-                elif env.topic == topics.VERSIONS:
-                    scheduler.on_version(int(rec.version), time.monotonic())
-                elif env.topic == topics.TRAJECTORIES:
-                    scheduler.on_completed(rec.trajectory_id)
-                elif env.topic == topics.BATCHES:
-                    consumed_steps = max(consumed_steps, int(rec.train_step) + 1)
-                    scheduler.on_consumed(int(rec.train_step), [t.trajectory_id for t in rec.trajectories])
-                elif env.topic == topics.REQUESTS:
-                    already.add(rec.group_id)  # dispatched by an earlier incarnation
-                elif env.topic == topics.TOKENS and rec.aborted:
-                    scheduler.on_aborted(rec.trajectory_id, rec, int(rec.instance_id.rsplit("-", 1)[-1]))
-            scheduler.tick(time.monotonic())
-            out = 0
-            for d in scheduler.dispatch():
-                req = request_for(run_id, d, config)
-                requests[req.trajectory_id] = req
-                producer.send(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
-                already.add(d.group_id)
-                out += 1
-            for cancel in scheduler.take_cancels():
-                for tid in cancel.trajectory_ids:
-                    req = requests[tid].replace(action="CANCEL", dispatched_ms=now_ms())
-                    producer.send(topics.REQUESTS, req, make_key(int(req.policy_version), req.group_id),
-                                  partition=cancel.instance)
-                metrics.emit("migrations_started", len(cancel.trajectory_ids))
-            for mig, target in scheduler.resumes():
-                chunk: TokenChunk = mig.partial
-                prev = requests[mig.trajectory_id]
-                extra: dict[str, Any] = {}
-                if config.mode == "partial":
-                    tv = segments.setdefault(mig.trajectory_id, [])
-                    tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
-                    extra = {"policy_version": mig.version, "partial_versions": np.asarray(tv, dtype=np.int64)}
-                req = prev.replace(
-                    instance_id=f"rollout-{target}", action="GENERATE", partial_ids=chunk.token_ids,
-                    partial_logprobs=chunk.logprobs, dispatched_ms=now_ms(), **extra)
-                requests[mig.trajectory_id] = req
-                producer.send(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
-                out += 1
-            for step, tids in scheduler.plans():
-                plan = BatchPlan(run_id=run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=now_ms())
-                producer.send(topics.SCHEDULE, plan, make_key(step, "plan"))
-                out += 1
-            sched_s += time.perf_counter() - t0
-            if out:
-                producer.flush()
-                metrics.emit("scheduling_s", sched_s)
-            if scheduler.done() and consumed_steps >= config.steps:
-                break
-    finally:
-        log.info("orchestrator stopping: %s", scheduler.describe())
-        producer.flush()
-        consumer.close()
+    from .kafka_runtime import KafkaDriver
 
+    orch = Orchestrator(run_id, config)
+    driver = KafkaDriver(bootstrap, run_id, orch, input_types(config), start_offsets)
+    driver.run(stop, done=orch.done)

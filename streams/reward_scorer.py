@@ -49,7 +49,9 @@ def run_scorer(bootstrap: str, run_id: str, start_offsets: dict[tuple[str, int],
         producer.raw.init_transactions(60)
         dlq = DeadLetters(producer, COMPONENT, run_id)
         metrics = Metrics(producer, run_id, COMPONENT)
-        consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.TRAJECTORIES: Trajectory}, dlq, start_offsets)
+        consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.TRAJECTORIES: Trajectory}, dlq, start_offsets,
+                               **{"group.instance.id": f"dora.{run_id}.{COMPONENT}.{index}",  # static: no
+                                  "session.timeout.ms": "10000"})  # session timeout to wait out on restart
         seen: set[str] = set()
         scored = errors = 0
         while not stop():

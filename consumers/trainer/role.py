@@ -1,33 +1,50 @@
 """The trainer role: consumes ``dora.train.batches``, updates the policy, announces new versions.
 
-Reads ``dora.train.batches`` (group ``dora.<run>.trainer``); writes ``dora.policy.versions`` and
-``dora.metrics``; serves weights over the configured transport.
+Reads ``dora.train.batches`` (group ``dora.<run>.trainer``, static membership) and, at start, the
+end of ``dora.policy.versions``; writes ``dora.policy.versions``, ``dora.metrics`` and ``dora.dlq``;
+serves weights over the configured transport.
 
-Lifecycle: build/load the initial policy, optional supervised warm-up, publish version 0; then
-for train step ``k = 0, 1, ...``: take the batch with ``train_step == k`` (idempotent on
-``batch_id``: a batch of an already-trained step is skipped), update, publish version ``k + 1``
-and commit the batch offset. A batch is refused to ``dora.dlq`` if it violates C3 (some
-trajectory with ``base_version - version > max_staleness``) or has the wrong size.
+Lifecycle: build/load the initial policy, optional supervised warm-up, publish version 0; then for
+train step ``k = 0, 1, ...``: take the batch with ``train_step == k`` (a batch of an already-trained
+step is skipped), update, checkpoint version ``k + 1``, announce it. A batch is refused to
+``dora.dlq`` if it violates C3 or has the wrong size.
+
+Crash safety (docs/decisions/0015):
+
+- a version is announced only after its checkpoint (weights, optimizer, LR schedule, step) is
+  durable (:mod:`.checkpoint`); the announcement names it (``checkpoint_uri``);
+- each announcement, its metrics and the consumed batch offset commit in one Kafka transaction
+  (``transactional.id = dora.<run>.trainer``): a zombie trainer is fenced by its replacement;
+- a restarted trainer reads the newest announcements of its run backwards from the topic's end,
+  restores the newest version's checkpoint (so no batch is applied twice and none is skipped),
+  serves every live version ``latest - S .. latest`` again from its checkpoints, checks each against
+  its announced checksums and re-announces itself as a holder (``announced_by = HOLDER``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer
+from dora_rl.infra.crashpoints import crash_point
+from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
 from dora_rl.infra.keys import make_key
 from dora_rl.infra.weight_sync import Publisher
-from dora_rl.schemas.records import TrainBatch
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
+from . import checkpoint
 from .grpo import warmup_cosine_schedule
 from .update import Sample, policy_update
 
@@ -48,9 +65,27 @@ def validate_batch(batch: TrainBatch, config: DoraConfig) -> str | None:
     return None
 
 
+def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, int], int],
+                          down_to: Callable[[int], bool]) -> dict[int, PolicyVersion]:
+    """The trainer's own announcements of ``run_id`` by version, newest first, read backwards from the
+    end of ``dora.policy.versions`` until ``down_to(oldest version found)`` (no full replay)."""
+    found: dict[int, PolicyVersion] = {}
+    for window in read_backwards(bootstrap, topics.VERSIONS, 0, stop_at=start.get((topics.VERSIONS, 0), 0)):
+        for msg in window:
+            try:
+                ann = PolicyVersion.decode(msg.value(), msg.headers())
+            except DecodeError:
+                continue
+            if ann.run_id == run_id and ann.announced_by == PolicyVersion.TRAINER:
+                found.setdefault(int(ann.version), ann)
+        if found and down_to(min(found)):
+            break
+    return found
+
+
 def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
                 run_dir: Path, token: str | None = None, stop: Callable[[], bool] = lambda: False) -> None:
-    """Train ``config.steps`` steps (or until ``stop()``), announcing each version."""
+    """Train until ``config.steps`` versions exist (or ``stop()``), announcing each version."""
     from dora_rl.core.tasks import get_task
     from dora_rl.modeling import load_policy, state_dict_for_transfer
     from dora_rl.policy_source import resolve_model
@@ -60,50 +95,88 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     torch.set_num_threads(1)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}")
+    producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}", **{"transactional.id": f"dora.{run_id}.trainer"})
+    producer.raw.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
     model, tok = load_policy(resolve_model(config.model, config.seed))
     pad_id = int(tok.pad_token_id or 0)
     publisher = Publisher(config.weight_transport, run_id, run_dir, token or secrets.token_hex(16),
                           keep=config.max_staleness + 2)
-
-    def announce(version: int, stats: dict[str, float]) -> None:
-        ann = publisher.publish(version, version, state_dict_for_transfer(model), stats)
-        producer.send(topics.VERSIONS, ann, make_key(version, "policy"))
-        producer.flush()
-
-    if config.sft_steps > 0:
-        t0 = time.perf_counter()
-        losses = sft_warmup(model, tok, get_task(config.task), steps=config.sft_steps, batch_size=64,
-                            lr=config.sft_lr, max_answer_chars=16, seed=config.seed)
-        metrics.emit("sft_loss", losses[-1])
-        metrics.emit("sft_s", time.perf_counter() - t0)
-        log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
-    announce(0, {})
-    metrics.emit("version_published", 0, version=0)
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     lr_schedule = warmup_cosine_schedule(optimizer, config.lr_warmup_steps)
-    consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.BATCHES: TrainBatch}, dlq, start_offsets)
-    step = 0
+    ckpt_root = run_dir / "trainer-state"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
+    S = config.max_staleness
+
+    @contextmanager
+    def transaction() -> Iterator[None]:
+        producer.raw.begin_transaction()
+        try:
+            yield
+        except BaseException:
+            producer.raw.abort_transaction(30)
+            raise
+        producer.raw.commit_transaction(60)
+
+    def announce(version: int, stats: dict[str, float]) -> None:
+        """Checkpoint ``version`` durably, then publish it (the caller's transaction announces it)."""
+        path = checkpoint.save(ckpt_root, version, incarnation, model, optimizer, lr_schedule, version)
+        ann = publisher.publish(version, version, state_dict_for_transfer(model), stats, checkpoint_uri=str(path))
+        producer.send(topics.VERSIONS, ann, make_key(version, "policy"))
+        checkpoint.prune(ckpt_root, version - S - 1)
+
+    announced = trainer_announcements(bootstrap, run_id, start_offsets, lambda oldest: oldest <= 0)
+    if announced:
+        step = restore(announced, model, optimizer, lr_schedule, publisher, producer, S)
+        with transaction():
+            metrics.emit("restored", step, version=step)
+        log.info("restored at version %d from %s", step, announced[step].checkpoint_uri)
+    else:
+        warmup: dict[str, float] = {}
+        if config.sft_steps > 0:
+            t0 = time.perf_counter()
+            losses = sft_warmup(model, tok, get_task(config.task), steps=config.sft_steps, batch_size=64,
+                                lr=config.sft_lr, max_answer_chars=16, seed=config.seed)
+            warmup = {"sft_loss": losses[-1], "sft_s": time.perf_counter() - t0}
+            log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
+        step = 0
+        with transaction():
+            for name, value in warmup.items():
+                metrics.emit(name, value)
+            announce(0, {})
+            metrics.emit("version_published", 0, version=0)
+
+    # undecodable input is refused while polling, outside any transaction: its own idempotent producer
+    undecodable = DeadLetters(RecordProducer(bootstrap, f"{COMPONENT}-dlq-{run_id}"), COMPONENT, run_id)
+    consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.BATCHES: TrainBatch}, undecodable, start_offsets,
+                           **{"group.instance.id": f"dora.{run_id}.trainer", "session.timeout.ms": "10000"})
     wait_started = time.perf_counter()
     idle_s = 0.0
     busy_s = 0.0
     try:
         while step < config.steps and not stop():
-            for env in consumer.poll(0.5, max_records=1):
+            refused = undecodable.count
+            envelopes = consumer.poll(0.5, max_records=1)
+            if undecodable.count != refused:
+                undecodable.producer.flush()
+            for env in envelopes:
                 batch: TrainBatch = env.record
                 if batch.train_step < step:
-                    log.info("skipping duplicate batch %s", batch.batch_id)
+                    log.info("skipping batch %s: step %d is trained already", batch.batch_id, batch.train_step)
                     continue
                 if batch.train_step > step:
-                    dlq.refuse(env, f"batch for step {batch.train_step} arrived while expecting {step}",
-                               "order", value=batch.encode()[0])
+                    with transaction():
+                        dlq.refuse(env, f"batch for step {batch.train_step} arrived while expecting {step}",
+                                   "order", value=batch.encode()[0])
+                        consumer.commit_in_transaction(producer.raw)
                     continue
                 reason = validate_batch(batch, config)
                 if reason is not None:
-                    dlq.refuse(env, reason, "batch", value=batch.encode()[0])
+                    with transaction():
+                        dlq.refuse(env, reason, "batch", value=batch.encode()[0])
+                        consumer.commit_in_transaction(producer.raw)
                     continue
                 waited = time.perf_counter() - wait_started
                 idle_s += waited
@@ -119,18 +192,20 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                                       decoupled=config.decoupled_ppo and max(stale) > 0)
                 stats["staleness_max"] = float(max(stale))
                 stats["staleness_mean"] = float(sum(stale) / len(stale))
-                announce(step + 1, stats)
-                consumer.commit()
+                crash_point("trainer.after_update")
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
-                for name in ("reward_mean", "loss", "trained_tokens", "clip_frac", "approx_kl",
-                             "staleness_max", "response_len_mean", "tis_weight_mean"):
-                    if name in stats:
-                        metrics.emit(name, stats[name], step=step, version=step + 1)
-                metrics.emit("train_s", step_s, step=step)
-                metrics.emit("wait_s", waited, step=step)
-                metrics.emit("idle_ratio", idle_s / max(idle_s + busy_s, 1e-9), step=step)
-                producer.flush()
+                with transaction():  # the version, its metrics and the consumed batch: all or nothing
+                    announce(step + 1, stats)
+                    for name in ("reward_mean", "loss", "trained_tokens", "clip_frac", "approx_kl",
+                                 "staleness_max", "response_len_mean", "tis_weight_mean"):
+                        if name in stats:
+                            metrics.emit(name, stats[name], step=step, version=step + 1)
+                    metrics.emit("train_s", step_s, step=step)
+                    metrics.emit("wait_s", waited, step=step)
+                    metrics.emit("idle_ratio", idle_s / max(idle_s + busy_s, 1e-9), step=step)
+                    consumer.commit_in_transaction(producer.raw)
+                    crash_point("trainer.before_commit")
                 log.info("step %d: reward %.3f loss %.4f tokens %d (%.2fs, update %.2fs, waited %.2fs)", step,
                          stats["reward_mean"], stats["loss"], stats["trained_tokens"], step_s, stats["update_s"],
                          waited)
@@ -138,11 +213,38 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     save_checkpoint(model, tok, run_dir / "checkpoints" / f"v{step:06d}")
                 wait_started = time.perf_counter()
-        metrics.emit("done", step)
-        producer.flush()
+        with transaction():
+            metrics.emit("done", step)
     finally:
         consumer.close()
         publisher.close()
+
+
+def restore(announced: dict[int, PolicyVersion], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            lr_schedule: Any, publisher: Publisher, producer: RecordProducer, max_staleness: int) -> int:
+    """Restart: serve every live version again from its checkpoint (checked against its announced
+    checksums, re-announced as a holder), and leave the newest loaded with its optimizer state."""
+    from dora_rl.modeling import state_dict_for_transfer
+
+    latest = max(announced)
+    live = [v for v in range(max(0, latest - max_staleness), latest + 1) if v in announced]
+    producer.raw.begin_transaction()
+    for v in live:
+        uri = announced[v].checkpoint_uri
+        if uri is None:
+            raise RuntimeError(f"version {v} was announced without a checkpoint: cannot restart this run")
+        checkpoint.load_weights_only(Path(uri), model)
+        again = publisher.publish(v, v, state_dict_for_transfer(model), checkpoint_uri=uri,
+                                  announced_by=PolicyVersion.HOLDER)
+        if [b.checksum for b in again.buckets] != [b.checksum for b in announced[v].buckets]:
+            producer.raw.abort_transaction(30)
+            raise RuntimeError(f"checkpoint {uri} does not hold the weights announced as version {v}")
+        producer.send(topics.VERSIONS, again, make_key(v, "policy"))
+    producer.raw.commit_transaction(60)
+    step = checkpoint.load(Path(str(announced[latest].checkpoint_uri)), model, optimizer, lr_schedule)
+    if step != latest:
+        raise RuntimeError(f"checkpoint of version {latest} says step {step}")
+    return step
 
 
 def save_checkpoint(model: torch.nn.Module, tokenizer: object, path: Path) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.audit import audit_records
-from dora_rl.schemas.records import RolloutRequest, TrainBatch, Trajectory
+from dora_rl.schemas.records import BucketEntry, DeadLetter, PolicyVersion, RolloutRequest, TrainBatch, Trajectory
 
 CFG = DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "train_batch_size": 4, "rollout_batch_size": 4,
                             "group_size": 2, "steps": 2})
@@ -72,3 +72,43 @@ def test_partial_mode_reports_c1_breaks_without_failing() -> None:
     b = [batch(0, t[:4]), batch(1, t[4:])]
     rep = audit_records("r", cfg, reqs, t, b)
     assert rep.c1_breaks_expected == 2 and rep.c1_mixed_versions == 0 and rep.ok
+
+
+def ann(version: int, checksum: str = "aa", by: str = "TRAINER") -> PolicyVersion:
+    return PolicyVersion(run_id="r", version=version, step=version, created_ms=0, transport="tcp", holders=("h",),
+                         total_bytes=1, checksum_algo="xxh3_64", tensors=(),
+                         buckets=(BucketEntry(index=0, nbytes=1, checksum=checksum),), announced_by=by)
+
+
+def letter(t: Trajectory) -> DeadLetter:
+    return DeadLetter(component="scorer", reason="reward timeout", error_type="reward",
+                      source_topic="dora.rollout.trajectories", source_partition=0, source_offset=7, ts_ms=0,
+                      run_id="r", key=None, value=t.encode()[0])
+
+
+def test_a_run_short_of_its_steps_is_incomplete_never_pass() -> None:
+    reqs, t, b = clean()
+    rep = audit_records("r", CFG, reqs, t, b[:1])
+    assert rep.verdict == "INCOMPLETE" and not rep.ok and rep.in_flight_at_end == 4, rep.render()
+    assert "INCOMPLETE" in rep.render()
+
+
+def test_missing_has_no_tolerance_and_refusals_are_accounted() -> None:
+    reqs, t, b = clean()
+    extra = [req("e/0", 1), req("e/1", 1)]  # dispatched, never batched, never refused
+    rep = audit_records("r", CFG, [*reqs, *extra], t, b)
+    assert rep.c2_missing == 2 and rep.verdict == "FAIL"
+    refused = [traj("e/0", 1), traj("e/1", 1)]
+    rep = audit_records("r", CFG, [*reqs, *extra], [*t, *refused], b, [letter(x) for x in refused])
+    assert rep.c2_missing == 0 and rep.refused == 2 and rep.ok, rep.render()
+
+
+def test_versions_one_checksum_each_only_going_up_and_every_batch_trained() -> None:
+    reqs, t, b = clean()
+    good = [ann(0), ann(1), ann(1, by="HOLDER"), ann(2)]
+    assert audit_records("r", CFG, reqs, t, b, [], good).ok
+    assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(1, "bb", "HOLDER"), ann(2)]
+                         ).v_checksum_conflicts == 1
+    assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(2), ann(1)]).v_not_increasing == 1
+    assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1)]).c2_untrained_steps == 1
+    assert audit_records("r", CFG, reqs, t, [*b, b[1]], [], good).c2_duplicate_steps == 1

@@ -1,0 +1,272 @@
+"""bench/chaos: kill the roles of a real run on a seeded schedule and prove from the log that nothing broke.
+
+Two runs of the same workload (dora mode, emulated engine, several instances, S = 2) on a fresh local
+broker, in one invocation: one untouched, one in which every role is SIGKILLed at least twice on a
+seeded random schedule (spread over the run by training step) while named crash points fire once
+each (``infra/crashpoints.py``: trainer between update and announce and between announce and commit,
+orchestrator between producing and committing, assembler right after sending a batch). Each run is
+audited (strict: nothing missing, nothing duplicated, staleness <= S, exact TBS, one checksum per
+version, every batch trained once).
+
+Recovery time of a kill = the kill's wall time -> the role's first new output record in the log:
+the orchestrator's next committed snapshot on ``dora.state``, the trainer's next announcement on
+``dora.policy.versions``, the assembler's next metric, the scorer's next scored trajectory, a rollout
+instance's next heartbeat on ``dora.instances``. Crash points are not in that table (their time is
+not the bench's); they show up as restarts.
+
+Usage: ``python bench/chaos.py [--steps 40] [--kills-per-role 2] [--seed 0]``; writes
+``bench/results/chaos-<timestamp>.json`` and ``.png``. Figures are from the **emulated** engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CRASH_POINTS = ("trainer.after_update", "trainer.before_commit", "processor.before_commit", "assembler.after_batch")
+
+WORKLOAD: dict[str, Any] = {
+    "mode": "dora", "max_staleness": 2, "train_batch_size": 32, "group_size": 4, "rollout_batch_size": 96,
+    "num_instances": 3, "instance_concurrency": 32, "max_new_tokens": 96, "engine": "emulated", "sft_steps": 0,
+    "weight_transport": "tcp", "seed": 11, "ppo_epochs": 1, "minibatches": 1,
+    "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.02, "cap_fraction": 0.1},
+}
+
+
+class RunWatch:
+    """Follows one run's topics with plain consumers (no group): steps done and per-role outputs."""
+
+    def __init__(self, bootstrap: str, run_id: str) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+
+        from dora_rl.infra import topics
+        from dora_rl.infra.runs import get_run, offsets_map
+
+        start = offsets_map(get_run(bootstrap, run_id))
+        self.run_id = run_id
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"chaos-{time.time()}",
+                                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                                  "fetch.max.bytes": topics.BATCH_MAX_BYTES,
+                                  "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
+        names = [topics.METRICS, topics.VERSIONS, topics.STATE, topics.INSTANCES, topics.SCORED]
+        md = self.consumer.list_topics(timeout=30)
+        self.consumer.assign([TopicPartition(t, p, start.get((t, p), 0)) for t in names
+                              for p in md.topics[t].partitions])
+        self.steps: set[int] = set()
+        self.outputs: dict[str, list[float]] = {}  # role name -> wall times (s) of its output records
+
+    def _out(self, role: str, ts_ms: int) -> None:
+        self.outputs.setdefault(role, []).append(ts_ms / 1000)
+
+    def poll(self, timeout: float = 0.5) -> None:
+        from dora_rl.infra.topics import spec
+        from dora_rl.schemas.codec import DecodeError
+        from dora_rl.schemas.records import (
+            RECORDS,
+            InstanceStatus,
+            Metric,
+            PolicyVersion,
+            ProcessorSnapshot,
+            Trajectory,
+        )
+
+        for msg in self.consumer.consume(1000, timeout):
+            if msg.error() is not None:
+                continue
+            topic = msg.topic() or ""
+            try:
+                rec = RECORDS[spec(topic).schema].decode(msg.value(), msg.headers())
+            except (KeyError, DecodeError):
+                continue
+            if getattr(rec, "run_id", None) != self.run_id:
+                continue
+            if isinstance(rec, Metric):
+                if rec.component == "trainer" and rec.name == "reward_mean" and rec.step is not None:
+                    self.steps.add(int(rec.step))
+                if rec.component == "assembler":
+                    self._out("assembler", rec.ts_ms)
+            elif isinstance(rec, PolicyVersion) and rec.checkpoint_uri is not None:  # the trainer's (restore too)
+                self._out("trainer", rec.created_ms)
+            elif isinstance(rec, ProcessorSnapshot):
+                self._out(rec.processor, rec.ts_ms)
+            elif isinstance(rec, InstanceStatus):
+                self._out(rec.instance_id, rec.ts_ms)
+            elif isinstance(rec, Trajectory) and rec.scored_ms:
+                self._out("scorer-0", rec.scored_ms)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def launch(bootstrap: str, config: dict[str, Any], home: Path,
+           crash_points: tuple[str, ...]) -> subprocess.Popen[bytes]:
+    cfg = home / "config.json"
+    cfg.write_text(json.dumps(config))
+    env = dict(os.environ, DORA_HOME=str(home), DORA_CRASH_POINTS=",".join(crash_points),
+               DORA_CRASH_DIR=str(home))
+    return subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config",
+                             str(cfg), "--json", str(home / "summary.json"), "--quiet"],
+                            stdout=(home / "launcher.log").open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def fresh_home(root: Path, name: str) -> Path:
+    from dora_rl.infra.kafka_dist import dora_home
+
+    home = root / name
+    home.mkdir(parents=True)
+    (home / "kafka").symlink_to(dora_home() / "kafka", target_is_directory=True)  # the jar cache
+    return home
+
+
+def wait_run_dir(home: Path, timeout: float = 180) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = home / "runs"
+        found = [d for d in runs.iterdir() if (d / "pids.json").exists()] if runs.exists() else []
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise TimeoutError(f"no run started under {home}")
+
+
+def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed: int) -> dict[str, Any]:
+    """The killed run: returns its kills with recovery times, summary and audit."""
+    config = {**WORKLOAD, "steps": steps}
+    proc = launch(bootstrap, config, home, CRASH_POINTS)
+    rdir = wait_run_dir(home)
+    watch = RunWatch(bootstrap, rdir.name)
+    roles = ["orchestrator", "trainer", "assembler", "scorer-0",
+             *[f"rollout-{i}" for i in range(config["num_instances"])]]
+    rng = random.Random(seed)
+    victims = [r for r in roles for _ in range(kills_per_role)]
+    rng.shuffle(victims)
+    at_steps = sorted(rng.sample(range(1, steps - 2), len(victims)))  # one kill per step threshold
+    kills: list[dict[str, Any]] = []
+    try:
+        for victim, at in zip(victims, at_steps, strict=True):
+            while len(watch.steps) < at:
+                watch.poll()
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the run ended before step {at}: see {home / 'launcher.log'}")
+            pid = json.loads((rdir / "pids.json").read_text())[victim]
+            t_kill = time.time()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # it was restarting (a crash point fired just now)
+            kills.append({"role": victim, "pid": pid, "at_step": len(watch.steps), "t_kill": t_kill})
+        while proc.poll() is None:
+            watch.poll()
+        for _ in range(6):
+            watch.poll(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        watch.close()
+    for k in kills:
+        later = [t for t in watch.outputs.get(k["role"], []) if t > k["t_kill"]]
+        k["recovery_s"] = round(min(later) - k["t_kill"], 3) if later else None
+    summary = json.loads((home / "summary.json").read_text()) if (home / "summary.json").exists() else {}
+    return {"exit_code": proc.returncode, "run_id": rdir.name, "kills": kills, "summary": summary,
+            "crash_points_fired": sorted(p.name.removeprefix("crashed.") for p in home.glob("crashed.*"))}
+
+
+def clean_run(bootstrap: str, home: Path, steps: int) -> dict[str, Any]:
+    proc = launch(bootstrap, {**WORKLOAD, "steps": steps}, home, ())
+    proc.wait()
+    rdir = wait_run_dir(home, 5)
+    summary = json.loads((home / "summary.json").read_text()) if (home / "summary.json").exists() else {}
+    return {"exit_code": proc.returncode, "run_id": rdir.name, "summary": summary}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_role = result["recovery_s_by_role"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = sorted(per_role)
+    for i, n in enumerate(names):
+        a.scatter([i] * len(per_role[n]), per_role[n], color="tab:red")
+        a.hlines(statistics.median(per_role[n]), i - 0.3, i + 0.3, color="black")
+    a.axhline(15, ls="--", color="grey", label="15 s goal")
+    a.set_xticks(range(len(names)), names, rotation=30)
+    a.set_ylabel("kill -> first new output (s)")
+    a.set_title("recovery per kill (bar: median)")
+    a.legend()
+    thr = [result["clean"]["summary"].get("throughput_tokens_per_s", 0),
+           result["chaos"]["summary"].get("throughput_tokens_per_s", 0)]
+    b.bar(["no kills", f"{len(result['chaos']['kills'])} kills + {len(result['chaos']['crash_points_fired'])} "
+                       "crash points"], thr, color=["tab:blue", "tab:red"])
+    b.set_ylabel("trained tokens / s (emulated engine)")
+    b.set_title(f"audit: {result['audit']['clean']} / {result['audit']['chaos']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from provenance import provenance
+
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra.broker import LocalBroker
+    from dora_rl.launcher import prepare_topics
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kills-per-role", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    broker = LocalBroker(root / "broker", port=0).start()
+    try:
+        bootstrap = broker.bootstrap_servers
+        prepare_topics(bootstrap, 4)
+        print("== clean run (no kills) ...", file=sys.stderr)
+        clean = clean_run(bootstrap, fresh_home(root, "clean"), args.steps)
+        print("== chaos run ...", file=sys.stderr)
+        chaos = chaos_run(bootstrap, fresh_home(root, "chaos"), args.steps, args.kills_per_role, args.seed)
+        audits = {name: audit_run(bootstrap, r["run_id"]) for name, r in (("clean", clean), ("chaos", chaos))}
+    finally:
+        broker.stop()
+    by_role: dict[str, list[float]] = {}
+    for k in chaos["kills"]:
+        if k["recovery_s"] is not None:
+            by_role.setdefault(k["role"], []).append(k["recovery_s"])
+    result: dict[str, Any] = {
+        **provenance(), "engine": "emulated", "workload": WORKLOAD, "steps": args.steps, "seed": args.seed,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "clean": clean, "chaos": chaos,
+        "kills_per_role": {r: sum(1 for k in chaos["kills"] if k["role"] == r) for r in by_role},
+        "restarts": chaos["summary"].get("restarts", {}),
+        "recovery_s_by_role": by_role,
+        "median_recovery_s": {r: statistics.median(v) for r, v in by_role.items()},
+        "throughput_ratio_chaos_over_clean": (chaos["summary"].get("throughput_tokens_per_s", 0)
+                                              / max(1e-9, clean["summary"].get("throughput_tokens_per_s", 0))),
+        "audit": {name: rep.verdict for name, rep in audits.items()},
+        "audit_reports": {name: rep.to_dict() for name, rep in audits.items()},
+    }
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = RESULTS / f"chaos-{stamp}.json"
+    out.write_text(json.dumps(result, indent=2, default=str))
+    plot(result, RESULTS / f"chaos-{stamp}.png")
+    print(json.dumps({k: result[k] for k in ("kills_per_role", "restarts", "median_recovery_s",
+                                             "throughput_ratio_chaos_over_clean", "audit")}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Runs a :class:`~dora_rl.streams.processor.Processor` against Kafka, exactly once, restartable.
+
+Wiring only (the logic is the processor). One *commit* is one Kafka transaction holding:
+
+1. the outputs the processor emitted since the last commit,
+2. its ``snapshot()``, written to ``dora.state`` with key ``<run_id>/<processor>``,
+3. the positions of every input consumed, in the consumer group ``dora.<run_id>.<processor>``.
+
+So outputs, state and progress become visible together or not at all (consumers read
+``read_committed``). The transactional id ``dora.<run_id>.<processor>`` is fixed: a restarted
+processor's ``init_transactions`` aborts its predecessor's open transaction and fences it, so a
+zombie (paused, then resumed after its replacement started) can never publish — its next commit
+fails with a fatal error and it exits.
+
+Restore: the latest committed snapshot is found by reading ``dora.state`` backwards from its end
+(O(number of processors committing meanwhile), not O(run length)); inputs resume from the group's
+committed positions, which were committed in the snapshot's own transaction. Partitions are
+assigned directly (no group membership, so a restarted process gets its partitions at once, with no
+session timeout or rebalance to wait out); the group only stores offsets.
+
+Commits happen every ``commit_interval_s`` when anything was consumed or emitted, and at once when
+the processor asks for it (``urgent``: e.g. after cutting a batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+
+from dora_rl.infra import topics
+from dora_rl.infra.crashpoints import crash_point
+from dora_rl.infra.kafka_io import (
+    RecordProducer,
+    consumer_config,
+    dead_letter,
+    letter_key,
+    now_ms,
+    read_backwards,
+    read_range,
+)
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import ProcessorSnapshot, Record
+
+from .processor import Context, InRecord, OutRecord, Processor, Ref
+
+log = logging.getLogger(__name__)
+
+
+def snapshot_key(run_id: str, name: str) -> str:
+    return f"{run_id}/{name}"
+
+
+def latest_snapshot(bootstrap: str, run_id: str, name: str) -> ProcessorSnapshot | None:
+    """The newest committed snapshot of processor ``name`` of ``run_id``, or None (a fresh start)."""
+    key = snapshot_key(run_id, name).encode()
+    for window in read_backwards(bootstrap, topics.STATE):
+        for msg in reversed(window):
+            if msg.key() == key:
+                try:
+                    return ProcessorSnapshot.decode(msg.value(), msg.headers())
+                except DecodeError as exc:
+                    raise RuntimeError(f"snapshot of {name} at offset {msg.offset()} is unreadable") from exc
+    return None
+
+
+class RefFetcher:
+    """Random-access reads of records by (topic, partition, offset), grouped per partition."""
+
+    def __init__(self, bootstrap: str, record_types: Mapping[str, type[Record]]) -> None:
+        self.bootstrap = bootstrap
+        self.record_types = dict(record_types)
+
+    def fetch_many(self, refs: Iterable[Ref], timeout: float = 30.0) -> dict[Ref, Any]:
+        wanted: dict[tuple[str, int], set[int]] = {}
+        for r in refs:
+            wanted.setdefault((r.topic, r.partition), set()).add(r.offset)
+        out: dict[Ref, Any] = {}
+        if not wanted:
+            return out
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"dora-ref-reader-{now_ms()}",
+                             "enable.auto.commit": False, "isolation.level": "read_committed",
+                             "fetch.max.bytes": topics.BATCH_MAX_BYTES,
+                             "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
+        try:
+            for (topic, partition), offsets in wanted.items():
+                tp = TopicPartition(topic, partition)
+                for msg in read_range(consumer, tp, min(offsets), max(offsets) + 1, timeout):
+                    if msg.offset() in offsets:
+                        ref = Ref(topic, partition, msg.offset() or 0)
+                        out[ref] = self.record_types[topic].decode(msg.value(), msg.headers())
+            missing = [r for r in (Ref(t, p, o) for (t, p), os in wanted.items() for o in os) if r not in out]
+            if missing:
+                raise LookupError(f"records no longer in the log (retention?): {missing[:5]}")
+            return out
+        finally:
+            consumer.close()
+
+
+class KafkaDriver:
+    """Runs one processor of one run against the cluster (see the module docstring)."""
+
+    def __init__(self, bootstrap: str, run_id: str, processor: Processor,
+                 record_types: Mapping[str, type[Record]], start_offsets: Mapping[tuple[str, int], int],
+                 commit_interval_s: float = 0.2) -> None:
+        self.bootstrap, self.run_id, self.proc = bootstrap, run_id, processor
+        self.record_types = dict(record_types)
+        self.start_offsets = dict(start_offsets)
+        self.commit_interval_s = commit_interval_s
+        name = processor.name
+        self.producer = RecordProducer(bootstrap, f"{name}-{run_id}",
+                                       **{"transactional.id": f"dora.{run_id}.{name}"})
+        self.producer.raw.init_transactions(60)  # fences and aborts any predecessor
+        self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.{name}", f"{name}-{run_id}"))
+        self.fetcher = RefFetcher(bootstrap, self.record_types)
+        self._cache: dict[Ref, Any] = {}
+        self.ctx = Context(self._fetch_many, time.time)
+        self.commits = 0
+        self.restored_from: int | None = None
+
+    def _fetch_many(self, refs: Iterable[Ref]) -> dict[Ref, Any]:
+        need = [r for r in refs if r not in self._cache]
+        self._cache.update(self.fetcher.fetch_many(need))
+        return self._cache
+
+    def start(self) -> None:
+        """Restore the processor from its latest snapshot (if any) and assign every input partition."""
+        t0 = time.perf_counter()
+        snap = latest_snapshot(self.bootstrap, self.run_id, self.proc.name)
+        if snap is not None:
+            self.proc.restore(snap.state, self.ctx)
+            self.restored_from = int(snap.commit)
+            self.commits = int(snap.commit)
+        self.proc.init(self.ctx)
+        self._cache.clear()
+        md = self.consumer.list_topics(timeout=30)
+        tps = [TopicPartition(t, p) for t in self.record_types for p in sorted(md.topics[t].partitions)]
+        committed = self.consumer.committed(tps, timeout=30)
+        for tp in committed:
+            if tp.offset == OFFSET_INVALID or tp.offset < 0:
+                tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)
+        self.consumer.assign(committed)
+        log.info("%s: %s in %.2fs", self.proc.name,
+                 f"restored from commit {self.restored_from}" if snap is not None else "fresh start",
+                 time.perf_counter() - t0)
+
+    def poll(self, timeout: float) -> int:
+        """Feed what arrives within ``timeout`` to the processor; returns the records consumed."""
+        msgs = self.consumer.consume(500, timeout)
+        n = 0
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal() or not err.retriable():
+                    raise KafkaException(err)
+                continue
+            n += 1
+            topic = msg.topic() or ""
+            try:
+                record = self.record_types[topic].decode(msg.value(), msg.headers())
+            except DecodeError as exc:  # refused in the next commit's transaction, with its position
+                letter = dead_letter(msg, self.proc.name, self.run_id, str(exc), exc.error_type)
+                self.ctx.emit(topics.DLQ, letter, letter_key(msg))
+                log.warning("dead-lettered %s[%s]@%s: %s", topic, msg.partition(), msg.offset(), exc)
+                continue
+            if getattr(record, "run_id", self.run_id) != self.run_id:
+                continue
+            self.proc.process(InRecord(topic, msg.partition() or 0, msg.offset() or 0, msg.key(), record), self.ctx)
+        self.proc.punctuate(self.ctx.now(), self.ctx)
+        return n
+
+    def commit(self) -> None:
+        """Outputs + snapshot + input positions in one transaction."""
+        outs: list[OutRecord] = self.ctx.take()
+        self.producer.raw.begin_transaction()
+        try:
+            for o in outs:
+                self.producer.send(o.topic, o.record, o.key, partition=o.partition)
+            self.commits += 1
+            snap = ProcessorSnapshot(run_id=self.run_id, processor=self.proc.name, commit=self.commits,
+                                     ts_ms=now_ms(), state=self.proc.snapshot())
+            self.producer.send(topics.STATE, snap, snapshot_key(self.run_id, self.proc.name), partition=0)
+            positions = self.consumer.position(self.consumer.assignment())
+            self.producer.raw.send_offsets_to_transaction(
+                [tp for tp in positions if tp.offset >= 0], self.consumer.consumer_group_metadata(), 60)
+            crash_point("processor.before_commit")
+            self.producer.raw.commit_transaction(60)
+        except KafkaException:
+            log.exception("%s: commit %d failed (fenced by a newer incarnation, or the broker)",
+                          self.proc.name, self.commits)
+            raise
+
+    def run(self, stop: Callable[[], bool], done: Callable[[], bool] = lambda: False,
+            urgent: Callable[[], bool] = lambda: False) -> None:
+        """Poll, process and commit until ``stop()`` or ``done()``; the last state is committed."""
+        self.start()
+        last_commit = time.monotonic()
+        dirty = False
+        try:
+            while not stop():
+                n = self.poll(0.05)
+                dirty = dirty or n > 0 or bool(self.ctx.pending)
+                if dirty and (urgent() or time.monotonic() - last_commit >= self.commit_interval_s):
+                    self.commit()
+                    last_commit, dirty = time.monotonic(), False
+                if done() and not dirty:
+                    break
+            if dirty:
+                self.commit()
+        finally:
+            self.proc.close()
+            self.consumer.close()

@@ -1,0 +1,125 @@
+"""Kill -9 each role once during a real run (real broker, dora mode): the run finishes and audits clean.
+
+``dora-rl run`` supervises its roles; every role restores from the run's topics (and the trainer
+from the checkpoint its last announcement names). The kills hit the orchestrator, trainer, batch
+assembler, scorer and a rollout instance, each after the previous one's restart made progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.broker
+
+CONFIG: dict[str, Any] = {
+    "mode": "dora", "max_staleness": 1, "steps": 12, "train_batch_size": 16, "group_size": 4,
+    "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 32, "max_new_tokens": 96,
+    "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 5,
+    "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.03, "cap_fraction": 0.1},
+}
+VICTIMS = ("orchestrator", "trainer", "assembler", "scorer-0", "rollout-1")
+
+
+def _steps_done(bootstrap: str, run_id: str) -> int:
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import Metric
+
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
+    steps = set()
+    for msg in read_all(bootstrap, topics.METRICS, start):
+        m = Metric.decode(msg.value(), msg.headers())
+        if m.run_id == run_id and m.component == "trainer" and m.name == "reward_mean" and m.step is not None:
+            steps.add(int(m.step))
+    return len(steps)
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def test_every_role_killed_once_and_the_run_completes(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
+    from dora_rl.consumers.audit import audit_run
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    out = tmp_path / "summary.json"
+    runs = dora_home / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()  # the session's earlier runs
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config", str(cfg),
+         "--json", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        _wait(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
+                                            if d.name not in known), 120, "the roles")
+        rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+        run_id = rdir.name
+        _wait(lambda: _steps_done(bootstrap, run_id) >= 1, 180, "the first step")
+        for victim in VICTIMS:
+            before = _steps_done(bootstrap, run_id)
+            pid = json.loads((rdir / "pids.json").read_text())[victim]
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda v=victim, p=pid: json.loads((rdir / "pids.json").read_text())[v] != p, 60,
+                  f"{victim} to be restarted")
+            if before < CONFIG["steps"] - 1:
+                _wait(lambda b=before: _steps_done(bootstrap, run_id) > b, 180, f"a step after killing {victim}")
+        code = launcher.wait(timeout=600)
+        log = launcher.stdout.read().decode() if launcher.stdout else ""
+        assert code == 0, log[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == CONFIG["steps"]
+    assert set(summary["restarts"]) == set(VICTIMS), summary["restarts"]
+    report = audit_run(bootstrap, run_id)
+    assert report.ok, report.render()
+    assert report.trajectories_batched == CONFIG["steps"] * CONFIG["train_batch_size"]
+    assert report.max_staleness_seen <= CONFIG["max_staleness"]
+
+
+def test_resume_after_the_launcher_itself_is_killed(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
+    from dora_rl.consumers.audit import audit_run
+
+    config = {**CONFIG, "steps": 8, "seed": 6}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
+                                 "--config", str(cfg), "--quiet"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=dict(os.environ))
+    runs = dora_home / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
+    _wait(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir() if d.name not in known),
+          120, "the roles")
+    rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+    _wait(lambda: _steps_done(bootstrap, rdir.name) >= 2, 180, "two steps")
+    launcher.kill()  # SIGKILL: its roles keep running as orphans
+    launcher.wait()
+    orphans = list(json.loads((rdir / "pids.json").read_text()).values())
+    alive = [p for p in orphans if Path(f"/proc/{p}").exists()]
+    assert alive, "the launcher's roles should outlive it"
+    out = tmp_path / "resumed.json"
+    resumed = subprocess.run([sys.executable, "-m", "dora_rl", "resume", rdir.name, "--bootstrap-servers",
+                              bootstrap, "--json", str(out), "--quiet"], capture_output=True, text=True,
+                             timeout=600, env=dict(os.environ))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "orphan role(s) of the previous launcher" in resumed.stderr, resumed.stderr[-2000:]
+    assert not [p for p in alive if Path(f"/proc/{p}").exists() and b"dora_rl" in Path(f"/proc/{p}/cmdline")
+                .read_bytes()], "orphans survived the resume"
+    assert json.loads(out.read_text())["steps"] == config["steps"]
+    report = audit_run(bootstrap, rdir.name)
+    assert report.ok, report.render()
