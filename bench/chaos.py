@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("--kills-per-role", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    measured_on = provenance()  # before anything runs: the code the roles start from
     root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     broker = LocalBroker(root / "broker", port=0).start()
     try:
@@ -247,7 +248,7 @@ def main() -> None:
         if k["recovery_s"] is not None:
             by_role.setdefault(k["role"], []).append(k["recovery_s"])
     result: dict[str, Any] = {
-        **provenance(), "engine": "emulated", "workload": WORKLOAD, "steps": args.steps, "seed": args.seed,
+        **measured_on, "engine": "emulated", "workload": WORKLOAD, "steps": args.steps, "seed": args.seed,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "clean": clean, "chaos": chaos,
         "kills_per_role": {r: sum(1 for k in chaos["kills"] if k["role"] == r) for r in by_role},
         "restarts": chaos["summary"].get("restarts", {}),

@@ -186,6 +186,20 @@ class Metrics:
         self.producer.send(topics.METRICS, m, f"{self.component}/{name}")
 
 
+def is_record(msg: Message) -> bool:
+    """True for a record; False for a partition-EOF event or a retriable error (logged); raises
+    :class:`KafkaException` on a fatal or non-retriable one."""
+    err = msg.error()
+    if err is None:
+        return True
+    if err.code() == KafkaError._PARTITION_EOF:
+        return False
+    if err.fatal() or not err.retriable():
+        raise KafkaException(err)
+    log.warning("consumer error (retriable): %s", err)
+    return False
+
+
 class RunConsumer:
     """A consumer group of one component of one run, decoding records and dead-lettering bad ones.
 
@@ -221,13 +235,7 @@ class RunConsumer:
         msgs = self._consumer.consume(max_records, timeout)
         self.last_poll_count = len(msgs)
         for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.fatal() or not err.retriable():
-                    raise KafkaException(err)
-                log.warning("consumer error (retriable): %s", err)
+            if not is_record(msg):
                 continue
             topic = msg.topic() or ""
             cls = self.record_types[topic]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, TopicPartition
 
 from dora_rl.infra import topics
 from dora_rl.infra.crashpoints import crash_point
@@ -37,6 +37,7 @@ from dora_rl.infra.kafka_io import (
     RecordProducer,
     consumer_config,
     dead_letter,
+    is_record,
     letter_key,
     now_ms,
     read_backwards,
@@ -152,12 +153,7 @@ class KafkaDriver:
         msgs = self.consumer.consume(500, timeout)
         n = 0
         for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.fatal() or not err.retriable():
-                    raise KafkaException(err)
+            if not is_record(msg):
                 continue
             n += 1
             topic = msg.topic() or ""
