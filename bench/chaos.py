@@ -14,8 +14,13 @@ the orchestrator's next committed snapshot on ``dora.state``, the trainer's next
 instance's next heartbeat on ``dora.instances``. Crash points are not in that table (their time is
 not the bench's); they show up as restarts.
 
-Usage: ``python bench/chaos.py [--steps 40] [--kills-per-role 2] [--seed 0]``; writes
-``bench/results/chaos-<timestamp>.json`` and ``.png``. Figures are from the **emulated** engine.
+Separately (role kills and a broker kill together would overload 2 cores), ``--broker-kill`` runs the
+workload on the project's 3-node loopback cluster (replication 3, ``min.insync.replicas`` 2, idempotent
+``acks=all`` producers) and SIGKILLs the broker leading ``dora.train.batches`` a third of the way in.
+
+Usage: ``python bench/chaos.py [--steps 40] [--kills-per-role 2] [--seed 0] [--broker-kill]``; writes
+``bench/results/chaos-<timestamp>.json`` and ``.png`` (``chaos-broker-kill-<timestamp>.json``). Figures
+are from the **emulated** engine.
 """
 
 from __future__ import annotations
@@ -190,6 +195,41 @@ def clean_run(bootstrap: str, home: Path, steps: int) -> dict[str, Any]:
     return {"exit_code": proc.returncode, "run_id": rdir.name, "summary": summary}
 
 
+def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:
+    """One run on a 3-node loopback cluster (RF 3, min.insync 2, acks=all) with one broker SIGKILLed
+    a third of the way in: the leader of ``dora.train.batches``; returns the run and its audit."""
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra import topics
+    from dora_rl.infra.broker import LocalCluster
+    from dora_rl.launcher import prepare_topics
+
+    cluster = LocalCluster(root / "cluster").start()
+    try:
+        bootstrap = cluster.bootstrap_servers
+        prepare_topics(bootstrap, 4)
+        home = fresh_home(root, "broker-kill")
+        proc = launch(bootstrap, {**WORKLOAD, "steps": steps}, home, ())
+        rdir = wait_run_dir(home)
+        watch = RunWatch(bootstrap, rdir.name)
+        while len(watch.steps) < steps // 3:
+            watch.poll()
+        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topics.BATCHES, timeout=10)
+        victim = cluster.node_index(md.topics[topics.BATCHES].partitions[0].leader)
+        t_kill, at = time.time(), len(watch.steps)
+        cluster.kill_node(victim)
+        print(f"killed broker node {victim} after {at} steps", file=sys.stderr)
+        watch.close()
+        proc.wait()
+        summary = json.loads((home / "summary.json").read_text()) if (home / "summary.json").exists() else {}
+        report = audit_run(bootstrap, rdir.name)
+        return {"exit_code": proc.returncode, "run_id": rdir.name, "killed_node": victim, "at_step": at,
+                "t_kill": t_kill, "summary": summary, "audit": report.verdict, "audit_report": report.to_dict()}
+    finally:
+        cluster.stop()
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -229,9 +269,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kills-per-role", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--broker-kill", action="store_true",
+                    help="instead: one run on a 3-node cluster with a broker killed mid-run (no role kills)")
     args = ap.parse_args()
     measured_on = provenance()  # before anything runs: the code the roles start from
     root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    if args.broker_kill:
+        run = broker_kill_run(args.steps, root)
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / f"chaos-broker-kill-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.write_text(json.dumps({**measured_on, "engine": "emulated", "workload": WORKLOAD, **run}, indent=2))
+        print(f"audit {run['audit']}, steps {run['summary'].get('steps')}; wrote {out}")
+        return
     broker = LocalBroker(root / "broker", port=0).start()
     try:
         bootstrap = broker.bootstrap_servers

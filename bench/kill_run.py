@@ -1,0 +1,86 @@
+"""bench/kill_run: one real ``dora-rl run`` with named roles SIGKILLed at given training steps, then the audit.
+
+For the real-model check of the crash-proof issue: the default tiny-model workload (or any config),
+``--kill trainer@10 --kill orchestrator@18`` kills each role once when that many steps are trained;
+the launcher restarts them. Writes the run's summary, the kills, the audit verdict and the versions'
+checksums (to show no reset) to ``bench/results/killrun-<timestamp>.json``.
+
+Usage: ``python bench/kill_run.py --steps 30 --mode dora --max-staleness 1 --config F --kill trainer@10``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from chaos import RunWatch
+    from provenance import provenance
+
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_dist import dora_home
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.launcher import ensure_broker
+    from dora_rl.schemas.records import PolicyVersion
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kill", action="append", default=[], help="ROLE@STEP, e.g. trainer@10")
+    ap.add_argument("--bootstrap-servers", default=None)
+    args, run_args = ap.parse_known_args()
+    measured_on = provenance()
+    bootstrap = ensure_broker(args.bootstrap_servers)
+    runs = dora_home() / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
+    out = Path(f"/tmp/killrun-{os.getpid()}.json")
+    proc = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--quiet",
+                             "--json", str(out), *run_args])
+    while not (runs.exists() and [d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists()]):
+        time.sleep(0.5)
+    rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+    watch = RunWatch(bootstrap, rdir.name)
+    kills: list[dict[str, Any]] = []
+    for spec in sorted(args.kill, key=lambda s: int(s.split("@")[1])):
+        role, at = spec.split("@")
+        while len(watch.steps) < int(at):
+            watch.poll()
+        pid = json.loads((rdir / "pids.json").read_text())[role]
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"role": role, "at_step": len(watch.steps), "pid": pid, "t_kill": time.time()})
+        print(f"killed {role} (pid {pid}) after {len(watch.steps)} steps", file=sys.stderr)
+    proc.wait()
+    watch.close()
+    summary = json.loads(out.read_text())
+    report = audit_run(bootstrap, rdir.name)
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, rdir.name)).items() if t == topics.VERSIONS}
+    checksums: dict[int, set[str]] = {}
+    for msg in read_all(bootstrap, topics.VERSIONS, start):
+        ann = PolicyVersion.decode(msg.value(), msg.headers())
+        if ann.run_id == rdir.name:
+            checksums.setdefault(int(ann.version), set()).add(",".join(b.checksum for b in ann.buckets))
+    result = {**measured_on, "command": " ".join(["python bench/kill_run.py", *sys.argv[1:]]),
+              "exit_code": proc.returncode, "kills": kills, "summary": summary, "audit": report.verdict,
+              "audit_report": report.to_dict(),
+              "checksums_per_version": {v: sorted(c) for v, c in sorted(checksums.items())}}
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"killrun-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(report.render())
+    print(f"steps {summary['steps']}, restarts {summary['restarts']}, reward first5 {summary['reward_first5']:.3f} "
+          f"-> last5 {summary['reward_last5']:.3f}; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
