@@ -4,7 +4,7 @@ Two runs of the same workload (dora mode, emulated engine, several instances, S 
 broker, in one invocation: one untouched, one in which every role is SIGKILLed at least twice on a
 seeded random schedule (spread over the run by training step) while named crash points fire once
 each (``infra/crashpoints.py``: trainer between update and announce and between announce and commit,
-orchestrator between producing and committing, assembler right after sending a batch). Each run is
+orchestrator and assembler between producing their outputs — a batch — and committing them). Each run is
 audited (strict: nothing missing, nothing duplicated, staleness <= S, exact TBS, one checksum per
 version, every batch trained once).
 
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CRASH_POINTS = ("trainer.after_update", "trainer.before_commit", "processor.before_commit", "assembler.after_batch")
+CRASH_POINTS = ("trainer.after_update", "trainer.before_commit", "orchestrator.before_commit",
+                "assembler.before_commit")
 
 WORKLOAD: dict[str, Any] = {
     "mode": "dora", "max_staleness": 2, "train_batch_size": 32, "group_size": 4, "rollout_batch_size": 96,

@@ -64,11 +64,9 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) ->
         run_scorer(bootstrap, info.run_id, start, config.num_partitions, index, stop.is_set,
                    reward_fn=config.reward_fn, reward_timeout_s=config.reward_timeout_s)
     elif role == "assembler":
-        from dora_rl.streams.batch_assembler import run_assembler
+        from dora_rl.streams.assembler import run_assembler
 
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        run_assembler(bootstrap, info.run_id, config, start)
+        run_assembler(bootstrap, info.run_id, config, start, stop=stop.is_set)
     elif role == "orchestrator":
         from dora_rl.streams.orchestrator import run_orchestrator
 

@@ -7,9 +7,9 @@ through the same place and the point fires once per run. With the variable unset
 fault injection) a crash point is one dictionary lookup.
 
 Points: ``trainer.after_update`` (weights updated, nothing announced), ``trainer.before_commit``
-(announcement produced in the open transaction, not committed), ``processor.before_commit``
-(a stream processor's outputs and snapshot produced, transaction not committed),
-``assembler.after_batch`` (a batch sent, the consumed offsets not yet committed).
+(announcement produced in the open transaction, not committed), ``<processor>.before_commit``
+for ``orchestrator`` and ``assembler`` (a stream processor's outputs — for the assembler a batch —
+and its snapshot produced, the transaction not committed).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Invariants (checked when a spec is built):
 Creation is idempotent (an existing topic is left as it is, and a partition count below the
 catalogue's is reported, never silently accepted). Replication factor is ``min(3, brokers)`` and
 ``min.insync.replicas`` is ``min(2, rf)``, so the same catalogue runs on one broker and on a
-3-node cluster. Topics Faust creates for the assembler (its table changelog) are not in the catalogue.
+3-node cluster.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
           "a rollout instance: holds one policy version, generates what it is asked"),
     Actor("scorer", "role", "dora-rl scorer", ("streams/reward_scorer.py", _ROLE_ENTRY),
           "scores trajectories (Kafka transactions: exactly-once)"),
-    Actor("assembler", "role", "dora-rl assembler", ("streams/batch_assembler.py", _ROLE_ENTRY),
-          "Faust app: materialises planned batches, staleness gate"),
+    Actor("assembler", "role", "dora-rl assembler",
+          ("streams/assembler.py", "streams/kafka_runtime.py", _ROLE_ENTRY),
+          "materialises planned batches, staleness gate (transactions: exactly one batch per step)"),
     Actor("trainer", "role", "dora-rl trainer", ("consumers/trainer/role.py", _ROLE_ENTRY),
           "trains each batch, announces each new version"),
     Actor("run", "tool", "dora-rl run", ("dora_rl/launcher.py", "infra/runs.py"),
@@ -99,7 +100,8 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("replay", "tool", "dora-rl replay", ("consumers/replay.py",),
           "a run's records as JSON lines (any catalogue topic via --topic)"),
     Actor("runs", "tool", "dora-rl runs", ("infra/runs.py",), "lists the runs recorded on the cluster"),
-    Actor("bench", "tool", "make bench-modes, bench/chaos.py", ("bench/modes.py", "bench/chaos.py"),
+    Actor("bench", "tool", "make bench-modes, bench/chaos.py, bench/kill_run.py",
+          ("bench/modes.py", "bench/chaos.py", "bench/kill_run.py"),
           "reads runs' figures back (chaos: kill times against each role's first new output)"),
 )}
 """Every role and tool named as a writer or reader, by name."""
@@ -218,12 +220,12 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "instance that loaded a version re-announces it naming itself as an extra holder "
                         "(peer-to-peer fan-out)."),
         TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, exactly TBS trajectories inline",
-                  writers=("assembler",), readers=("trainer", "orchestrator", "assembler", "audit", "replay"),
+                  writers=("assembler",), readers=("trainer", "orchestrator", "audit", "replay", "bench"),
                   key="v<train_step:010d>/step<train_step>", partitioning="single",
                   retention_ms=week, max_message_bytes=BATCH_MAX_BYTES,
                   notes="The key's version is the base version (= train step). The orchestrator reads "
-                        "consumption; a (re)started assembler recovers its step counter and the ids already "
-                        "batched from it."),
+                        "consumption. Each batch commits in one transaction with the assembler's snapshot, so "
+                        "there is exactly one committed batch per step."),
         TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason and the original bytes",
                   writers=("orchestrator", "rollout", "scorer", "assembler", "trainer", "monitor", "run"),
                   readers=("monitor", "audit", "replay"),
@@ -243,7 +245,7 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                   notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
         TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",
                   "stream processors' state: one snapshot per commit, in the commit's transaction",
-                  writers=("orchestrator",), readers=("orchestrator", "bench"),
+                  writers=("orchestrator", "assembler"), readers=("orchestrator", "assembler", "bench"),
                   key="<run_id>/<processor>", partitioning="single", retention_ms=None, cleanup="compact",
                   max_message_bytes=BATCH_MAX_BYTES,
                   notes="Written with the processor's outputs and consumed offsets in one transaction "

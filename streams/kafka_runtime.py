@@ -184,7 +184,7 @@ class KafkaDriver:
             positions = self.consumer.position(self.consumer.assignment())
             self.producer.raw.send_offsets_to_transaction(
                 [tp for tp in positions if tp.offset >= 0], self.consumer.consumer_group_metadata(), 60)
-            crash_point("processor.before_commit")
+            crash_point(f"{self.proc.name}.before_commit")
             self.producer.raw.commit_transaction(60)
         except KafkaException:
             log.exception("%s: commit %d failed (fenced by a newer incarnation, or the broker)",

@@ -39,6 +39,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, consumer_config, now_ms
 from dora_rl.infra.keys import make_key, partition_for
 from dora_rl.infra.weight_sync import Fetcher
+from dora_rl.infra.weights.protocol import WeightFetchError
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
@@ -267,8 +268,9 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             inst.running.update(r.trajectory_id for r in batch)
         return batch
 
-    def load(version: int) -> None:
-        """Switch to ``version``: load it through the engine's hook, then serve it if we can."""
+    def load(version: int) -> bool:
+        """Switch to ``version``: load it through the engine's hook, then serve it if we can; False
+        (and the version forgotten until announced again) when no holder could deliver it."""
         inst.state = "LOADING"
         inst.heartbeat(force=True)
         t0 = time.perf_counter()
@@ -276,7 +278,14 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         own = holder.endpoint if holder is not None else ""
         if own and own in ann.holders:  # never fetch from ourselves
             ann = ann.replace(holders=tuple(h for h in ann.holders if h != own))
-        fs = eng.load_version(ann, fetcher)
+        try:
+            fs = eng.load_version(ann, fetcher)
+        except WeightFetchError as exc:  # every holder gone (a restarting trainer): wait for a new one
+            log.warning("version %d not loaded, waiting for another holder to be announced: %s", version, exc)
+            known.pop(version, None)  # a re-announcement (e.g. by the restarted trainer) brings it back
+            metrics.emit("weights_fetch_failed", 1.0, version=version)
+            inst.state = "IDLE"
+            return False
         if fs is not None:
             metrics.emit("weights_gbps", fs.gbps, version=version)
         if holder is not None:  # serve what we now hold: peers pull from the least-loaded holder
@@ -286,6 +295,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                               make_key(version, "policy"))
         inst.held = version
         metrics.emit("switch_s", time.perf_counter() - t0, version=version)
+        return True
 
     try:
         inst.heartbeat(force=True)
@@ -335,7 +345,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     if version not in known:  # wait for its announcement
                         inst.heartbeat()
                         continue
-                    load(version)
+                    if not load(version):
+                        continue
                 batch = starting()
                 if batch:
                     inst.state = "BUSY"

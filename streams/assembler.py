@@ -1,0 +1,134 @@
+"""The batch assembler as a processor: scored trajectories + batch plans in, exactly one batch per step out.
+
+Reads ``dora.rollout.scored`` and ``dora.schedule``; writes ``dora.train.batches`` (trajectories
+inline), ``dora.dlq`` and ``dora.metrics``. The rules (groups, plans, the staleness gate, exact TBS)
+are :class:`~dora_rl.streams.batching.BatchAssembler`; this module is the processor around them
+(:mod:`dora_rl.streams.processor`), run by :class:`~dora_rl.streams.kafka_runtime.KafkaDriver`.
+
+Exactly once: a batch, the snapshot of the assembler's state and the consumed offsets commit in one
+transaction, so with ``read_committed`` there is exactly one batch record per train step, and a zombie
+assembler is fenced. The snapshot holds the next step, the plans of the steps not yet cut, the ids of
+the last ``S + 2`` batches (later copies of those are duplicates) and every pending trajectory as a
+reference into ``dora.rollout.scored`` (fetched again at restore: a window of a few steps).
+
+A complete group past its deadline that no plan names is a copy of trajectories trained already (an
+instance regenerated them after a restart): it is dropped and counted (``duplicates_dropped``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from dora_rl.config import DoraConfig
+from dora_rl.infra import topics
+from dora_rl.infra.keys import make_key
+from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, Record, TrainBatch, Trajectory
+
+from .batching import BatchAssembler
+from .processor import Context, InRecord, Ref
+
+log = logging.getLogger(__name__)
+COMPONENT = "assembler"
+INPUTS: dict[str, type[Record]] = {topics.SCORED: Trajectory, topics.SCHEDULE: BatchPlan}
+
+
+class Assembler:
+    """The assembler's processor (see the module docstring)."""
+
+    name = COMPONENT
+    inputs = tuple(INPUTS)
+
+    def __init__(self, run_id: str, config: DoraConfig) -> None:
+        self.run_id, self.config = run_id, config
+        self.rules = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
+        self.refs: dict[str, Ref] = {}  # pending trajectory id -> where it lies on dora.rollout.scored
+        self.recent: deque[list[str]] = deque(maxlen=config.max_staleness + 2)  # ids of the last batches
+        self.refused = 0
+        self.duplicates = 0
+
+    def init(self, ctx: Context) -> None:
+        pass
+
+    def process(self, rec: InRecord, ctx: Context) -> None:
+        if rec.topic == topics.SCHEDULE:
+            self.rules.on_plan(int(rec.record.train_step), rec.record.trajectory_ids)
+            return
+        traj: Trajectory = rec.record
+        if traj.reward is None:
+            self._refuse(ctx, rec, "trajectory on dora.rollout.scored has no reward", "schema", traj.encode()[0])
+        elif self.rules.add(traj):
+            self.refs[traj.trajectory_id] = rec.ref
+
+    def punctuate(self, now: float, ctx: Context) -> None:
+        for dup in self.rules.drop_expired_unplanned():
+            self.refs.pop(dup.trajectory_id, None)
+            self.duplicates += 1
+        while (cut := self.rules.cut()) is not None:
+            for problem in self.rules.violations(cut):  # never in a correct run: the safety gate
+                self.refused += 1
+                letter = DeadLetter(component=COMPONENT, reason=f"batch {cut.train_step}: {problem}",
+                                    error_type="batch", source_topic=topics.SCHEDULE, source_partition=0,
+                                    source_offset=-1, ts_ms=ctx.wall_ms(), run_id=self.run_id)
+                ctx.emit(topics.DLQ, letter, f"step{cut.train_step}")
+            batch = TrainBatch(run_id=self.run_id, batch_id=f"{self.run_id}/step{cut.train_step}",
+                               train_step=cut.train_step, base_version=cut.train_step,
+                               max_staleness=self.config.max_staleness, created_ms=ctx.wall_ms(),
+                               trajectories=tuple(cut.trajectories))  # type: ignore[arg-type]
+            ctx.emit(topics.BATCHES, batch, make_key(cut.train_step, f"step{cut.train_step}"))
+            ids = [t.trajectory_id for t in cut.trajectories]
+            for tid in ids:
+                self.refs.pop(tid, None)
+            self.recent.append(ids)
+            stale = cut.staleness()
+            for name, value in (("batch_emitted", len(ids)), ("batch_max_staleness", max(stale)),
+                                ("batch_refused", self.refused), ("duplicates_dropped", self.duplicates)):
+                m = Metric(run_id=self.run_id, component=COMPONENT, name=name, value=float(value),
+                           ts_ms=ctx.wall_ms(), step=cut.train_step)
+                ctx.emit(topics.METRICS, m, f"{COMPONENT}/{name}")
+            log.info("batch step %d: %d trajectories, staleness max %d", cut.train_step, len(ids), max(stale))
+
+    def snapshot(self) -> bytes:
+        state = {"next_step": self.rules.next_step,
+                 "plans": {str(k): list(v) for k, v in self.rules._plans.items()},
+                 "pending": {t: r.to_list() for t, r in self.refs.items()},
+                 "recent": list(self.recent), "refused": self.refused, "duplicates": self.duplicates}
+        return json.dumps(state, separators=(",", ":")).encode()
+
+    def restore(self, snapshot: bytes, ctx: Context) -> None:
+        state = json.loads(snapshot)
+        self.rules = BatchAssembler(self.config.train_batch_size, self.config.group_size, self.config.max_staleness,
+                                    next_step=int(state["next_step"]))
+        self.recent = deque(state["recent"], maxlen=self.config.max_staleness + 2)
+        self.rules._seen.update(t for ids in self.recent for t in ids)
+        for step, ids in state["plans"].items():
+            self.rules.on_plan(int(step), ids)
+        self.refs = {t: Ref.from_list(r) for t, r in state["pending"].items()}
+        records = ctx.fetch_many(self.refs.values())
+        for tid, ref in self.refs.items():
+            self.rules.add(records[ref])
+            if records[ref].trajectory_id != tid:
+                raise RuntimeError(f"assembler snapshot: {ref} holds {records[ref].trajectory_id}, not {tid}")
+        self.refused, self.duplicates = int(state["refused"]), int(state["duplicates"])
+
+    def close(self) -> None:
+        log.info("assembler stopping: next step %d, %d pending", self.rules.next_step, self.rules.pending())
+
+    def _refuse(self, ctx: Context, rec: InRecord, reason: str, error_type: str, value: bytes) -> None:
+        self.refused += 1
+        letter = DeadLetter(component=COMPONENT, reason=reason, error_type=error_type, source_topic=rec.topic,
+                            source_partition=rec.partition, source_offset=rec.offset, ts_ms=ctx.wall_ms(),
+                            run_id=self.run_id, key=rec.key, value=value)
+        ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
+
+
+def run_assembler(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
+                  stop: Callable[[], bool] = lambda: False) -> None:
+    """Assemble until ``stop()``; every batch commits with the state and offsets in one transaction."""
+    from .kafka_runtime import KafkaDriver
+
+    asm = Assembler(run_id, config)
+    driver = KafkaDriver(bootstrap, run_id, asm, INPUTS, start_offsets, commit_interval_s=0.5)
+    driver.run(stop, urgent=lambda: any(o.topic == topics.BATCHES for o in driver.ctx.pending))
