@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens, "engine": "emulated", "num_partitions": 16}
     runs = [("sync", 0, args.tbs), ("one_step_off", 1, 2 * args.tbs), ("partial", 0, 2 * args.tbs)]
     runs += [("dora", s, (s + 1) * args.tbs) for s in (1, 2, 3)]
-    out: dict[str, Any] = {"engine": "simulated (emulated decode model)", "args": vars(args),
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from provenance import provenance
+
+    out: dict[str, Any] = {**provenance(), "engine": "simulated (emulated decode model)", "args": vars(args),
                            "params": params.__dict__, "modes": {}}
     for mode, s, rbs in runs:
         cfg = DoraConfig.from_dict({**base, "mode": mode, "max_staleness": s, "rollout_batch_size": rbs,
