@@ -1,26 +1,44 @@
 """``dora-rl audit``: checks C1–C3 of a run from its topics alone.
 
+Reads the run's requests, generated trajectories (``dora.rollout.trajectories``), token chunks
+(``dora.rollout.tokens``), instance heartbeats (``dora.instances``), batches, dead letters and version
+announcements. The checks are pure functions of those records (:func:`audit_records`, with the
+cross-topic ones in :mod:`dora_rl.consumers.audit_checks`); :func:`audit_run` only reads them.
+
 Checks (each a count of violations; the run passes when all are zero):
 
 - **C1** ``c1_mixed_versions``: trajectories whose tokens come from more than one version;
   ``c1_instance_mismatch``: trajectories whose producing instance held another version than the
   trajectory's (``instance_version != policy_version``); ``c1_request_mismatch``: trajectories whose
-  version differs from the version their request was tagged with.
+  version differs from the version their request was tagged with. Cross-checked against what the
+  instances said, not only the trajectory's own fields: ``c1_chunk_mismatch``: batched trajectories
+  with a (non-aborted) token chunk of another version than theirs; ``c1_heartbeat_mismatch``:
+  batched trajectories that a heartbeat of any instance listed in flight while it held another version.
 - **C2** ``c2_duplicated``: trajectory ids in more than one batch (or twice in one);
   ``c2_not_dispatched``: batched trajectories no request asked for; ``c2_split_groups``: groups
   whose trajectories are not all in the same batch; ``c2_missing``: in a run that reached its
   requested steps, dispatched trajectories that are neither in a batch nor refused in ``dora.dlq``
-  (no tolerance: every mode dispatches at most ``steps * TBS``); ``c2_duplicate_steps``: train
-  steps with more than one committed batch; ``c2_untrained_steps``: in a finished run, batches whose
-  step the trainer never announced a version for.
+  (their group refused, or the trajectory itself by an older letter without ``group_id``; no
+  tolerance: every mode dispatches exactly ``steps * TBS`` plus one replacement per refused group);
+  ``c2_duplicate_steps``: train steps with more than one committed batch; ``c2_untrained_steps``: in
+  a finished run, batches whose step the trainer never announced a version for.
+- **Ids** ``ids_unbalanced``: in a finished run, distinct generated trajectory ids neither trained nor
+  refused, plus trained ids never generated (generated = trained + refused; ``ids_by_version``
+  reports the three counts per version, in any run).
 - **Versions** ``v_checksum_conflicts``: a version announced (by the trainer or any holder) with two
   different sets of bucket checksums; ``v_not_increasing``: a trainer announcement whose version is
   not above every earlier one.
 - **C3** ``c3_over_stale``: batched trajectories with ``base_version - version > max_staleness``.
 - **TBS** ``tbs_wrong_size``: batches whose size is not exactly ``train_batch_size``.
 
-``partial`` mode breaks C1 by design: its mixed-version trajectories are reported as
-``c1_breaks_expected`` and do not fail the audit of a partial run.
+``partial`` mode breaks C1 by design: its mixed-version trajectories (and their chunk and heartbeat
+mismatches) are reported as ``c1_breaks_expected`` and do not fail the audit of a partial run.
+
+Reported, never violations: ``refused_groups`` (each refused prompt's group with the first letter's
+trajectory, component, error type and attempts, and every reason given), ``refused_but_trained``
+(refused groups batched all the same: the refusal concerned a duplicate copy; counted as batched),
+``waste_trajectories`` (records on ``dora.rollout.trajectories`` beyond the first per id: regenerated
+after a crash) and ``waste_tokens`` (their response tokens plus those of refused, never trained ids).
 
 Verdict: **FAIL** on any violation; else **INCOMPLETE** when fewer batches than the run's requested
 steps exist (a run that stopped early is never reported as passing); else **PASS**.
@@ -35,11 +53,28 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dora_rl.config import DoraConfig
+from dora_rl.consumers.audit_checks import (
+    chunk_mismatches,
+    first_copies,
+    heartbeat_mismatches,
+    id_balance,
+    refused_groups,
+    waste,
+)
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import read_all
 from dora_rl.infra.runs import get_run
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import DeadLetter, PolicyVersion, Record, RolloutRequest, TrainBatch, Trajectory
+from dora_rl.schemas.records import (
+    DeadLetter,
+    InstanceStatus,
+    PolicyVersion,
+    Record,
+    RolloutRequest,
+    TokenChunk,
+    TrainBatch,
+    Trajectory,
+)
 
 
 @dataclass
@@ -60,6 +95,8 @@ class AuditReport:
     c1_breaks_expected: int = 0
     c1_instance_mismatch: int = 0
     c1_request_mismatch: int = 0
+    c1_chunk_mismatch: int = 0
+    c1_heartbeat_mismatch: int = 0
     c2_duplicated: int = 0
     c2_not_dispatched: int = 0
     c2_split_groups: int = 0
@@ -70,16 +107,24 @@ class AuditReport:
     v_not_increasing: int = 0
     steps_requested: int = 0
     refused: int = 0
+    refused_groups: list[dict[str, Any]] = field(default_factory=list)
+    refused_but_trained: int = 0
     in_flight_at_end: int = 0
+    chunks_read: int = 0
+    heartbeats_read: int = 0
+    ids_by_version: dict[int, dict[str, int]] = field(default_factory=dict)
+    ids_unbalanced: int = 0
+    waste_trajectories: int = 0
+    waste_tokens: int = 0
     c3_over_stale: int = 0
     tbs_wrong_size: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
 
-    VIOLATIONS = ("c1_mixed_versions", "c1_instance_mismatch", "c1_request_mismatch", "c2_duplicated",
-                  "c2_not_dispatched", "c2_split_groups", "c2_missing", "c2_duplicate_steps",
-                  "c2_untrained_steps", "v_checksum_conflicts", "v_not_increasing", "c3_over_stale",
-                  "tbs_wrong_size")
+    VIOLATIONS = ("c1_mixed_versions", "c1_instance_mismatch", "c1_request_mismatch", "c1_chunk_mismatch",
+                  "c1_heartbeat_mismatch", "c2_duplicated", "c2_not_dispatched", "c2_split_groups", "c2_missing",
+                  "c2_duplicate_steps", "c2_untrained_steps", "ids_unbalanced", "v_checksum_conflicts",
+                  "v_not_increasing", "c3_over_stale", "tbs_wrong_size")
 
     @property
     def complete(self) -> bool:
@@ -109,7 +154,13 @@ class AuditReport:
                  f"  batches {self.batches}, trajectories batched {self.trajectories_batched}, requests "
                  f"{self.requests}, in flight at end {self.in_flight_at_end}",
                  f"  staleness max {self.max_staleness_seen}, "
-                 f"histogram {dict(sorted(self.staleness_histogram.items()))}"]
+                 f"histogram {dict(sorted(self.staleness_histogram.items()))}",
+                 f"  cross-checked against {self.chunks_read} token chunks, {self.heartbeats_read} heartbeats",
+                 "  ids generated/trained/refused by version: "
+                 + (", ".join(f"v{v} {c['generated']}/{c['trained']}/{c['refused']}"
+                              for v, c in sorted(self.ids_by_version.items())) or "none"),
+                 f"  waste: {self.waste_trajectories} regenerated trajectories, {self.waste_tokens} tokens "
+                 "(regenerated or refused)"]
         for name in self.VIOLATIONS:
             value = getattr(self, name)
             lines.append(f"  {'FAIL' if value else 'ok  '} {name} = {value}")
@@ -118,6 +169,11 @@ class AuditReport:
                          "(partial mode mixes versions by design)")
         if self.dead_letters:
             lines.append(f"  dead letters: {self.dead_letters}")
+        if self.refused_groups:
+            lines.append(f"  refused groups {len(self.refused_groups)} (refused but trained all the same "
+                         f"{self.refused_but_trained}):")
+        lines.extend(f"    refused {g['group_id']} ({g['trajectory_id']}) by {g['component']}:{g['error_type']} "
+                     f"after {g['attempts']} attempts: {g['reason']}" for g in self.refused_groups)
         lines.extend(f"  e.g. {e}" for e in self.examples[:10])
         if self.verdict == "INCOMPLETE":
             lines.append(f"  {self.batches} of {self.steps_requested} requested steps have a batch")
@@ -160,17 +216,27 @@ def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion]) -> set[i
 def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutRequest],
                   trajectories: Iterable[Trajectory], batches: Iterable[TrainBatch],
                   dead_letters: Iterable[DeadLetter] = (),
-                  announcements: Iterable[PolicyVersion] | None = None) -> AuditReport:
-    """The audit as a pure function of a run's records (``announcements`` None: no version checks)."""
+                  announcements: Iterable[PolicyVersion] | None = None,
+                  chunks: Iterable[TokenChunk] = (), statuses: Iterable[InstanceStatus] = ()) -> AuditReport:
+    """The audit as a pure function of a run's records (``announcements`` None: no version checks).
+
+    ``trajectories`` are the generated ones (``dora.rollout.trajectories``, regenerated copies
+    included), ``chunks`` the token chunks and ``statuses`` the instance heartbeats.
+    """
     rep = AuditReport(run_id, config.mode, config.max_staleness, config.train_batch_size,
                       steps_requested=config.steps)
     dead_letters = list(dead_letters)
+    trajectories = list(trajectories)
+    groups_refused = refused_groups(run_id, dead_letters)
+    rep.refused_groups = list(groups_refused.values())
     bound = config.staleness_bound
     requested: dict[str, int] = {}
+    group_of: dict[str, str] = {}
     group_members: dict[str, set[str]] = defaultdict(set)
     for r in requests:
         if r.action == "GENERATE":
             requested.setdefault(r.trajectory_id, int(r.policy_version))
+            group_of.setdefault(r.trajectory_id, r.group_id)
             group_members[r.group_id].add(r.trajectory_id)
     rep.requests = len(requested)
 
@@ -194,6 +260,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
     for t in trajectories:
         check_trajectory(t, "trajectories")
     batched: Counter[str] = Counter()
+    trained: dict[str, int] = {}  # batched id -> its version (first batched copy)
     batch_of_group: dict[str, set[int]] = defaultdict(set)
     stale_hist: Counter[int] = Counter()
     versions: set[int] = set()
@@ -206,6 +273,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
             rep.examples.append(f"TBS: batch {b.batch_id} has {len(b.trajectories)} trajectories")
         for t in b.trajectories:
             batched[t.trajectory_id] += 1
+            trained.setdefault(t.trajectory_id, int(t.policy_version))
             batch_of_group[t.group_id].add(int(b.train_step))
             s = bound.staleness(b.base_version, t.policy_version)
             stale_hist[s] += 1
@@ -227,9 +295,12 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
             rep.examples.append(f"C2: group {gid} split over steps {sorted(steps)}")
     rep.batches = len(steps_seen)
     rep.c2_duplicate_steps = sum(n - 1 for n in steps_seen.values() if n > 1)
-    refused = refused_ids(dead_letters) & set(requested)
+    ids_refused = refused_ids(dead_letters)
+    refused = ids_refused & set(requested)
     rep.refused = len(refused)
-    unbatched = [tid for tid in requested if tid not in batched and tid not in refused]
+    rep.refused_but_trained = len(set(groups_refused) & set(batch_of_group))
+    unbatched = [tid for tid in requested
+                 if tid not in batched and tid not in refused and group_of[tid] not in groups_refused]
     if rep.complete:
         rep.c2_missing = len(unbatched)
         if unbatched:
@@ -237,6 +308,19 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                                 f"e.g. {unbatched[:3]}")
     else:
         rep.in_flight_at_end = len(unbatched)
+    cross_check_c1(rep, trained, list(chunks), list(statuses))
+    first, extra = first_copies(trajectories)
+    balance = id_balance(first, trained, groups_refused, ids_refused)
+    rep.ids_by_version = balance.by_version
+    if rep.complete:
+        rep.ids_unbalanced = balance.unbalanced
+        if balance.unaccounted:
+            rep.examples.append(f"ids: {len(balance.unaccounted)} generated trajectories neither trained nor "
+                                f"refused, e.g. {balance.unaccounted[:3]}")
+        if balance.never_generated:
+            rep.examples.append(f"ids: {len(balance.never_generated)} trained trajectories never generated, "
+                                f"e.g. {balance.never_generated[:3]}")
+    rep.waste_trajectories, rep.waste_tokens = waste(first, extra, balance.refused)
     if announcements is not None:
         announced = audit_versions(rep, announcements)
         if rep.complete:
@@ -249,6 +333,22 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
     rep.versions_seen = sorted(versions)
     rep.dead_letters = dict(Counter(f"{d.component}:{d.error_type}" for d in dead_letters))
     return rep
+
+
+def cross_check_c1(rep: AuditReport, trained: dict[str, int], chunks: list[TokenChunk],
+                   statuses: list[InstanceStatus]) -> None:
+    """C1 of the batched trajectories (id -> version) against their token chunks and the heartbeats."""
+    rep.chunks_read, rep.heartbeats_read = len(chunks), len(statuses)
+    by_chunk = chunk_mismatches(trained, chunks)
+    by_heartbeat = heartbeat_mismatches(trained, statuses)
+    if rep.mode == "partial":  # resumed on a newer version by design
+        rep.c1_breaks_expected += len(by_chunk) + len(by_heartbeat)
+        return
+    rep.c1_chunk_mismatch, rep.c1_heartbeat_mismatch = len(by_chunk), len(by_heartbeat)
+    rep.examples.extend(f"C1: {tid} version {trained[tid]} has token chunks of versions {vs}"
+                        for tid, vs in list(by_chunk.items())[:5])
+    rep.examples.extend(f"C1: {tid} version {trained[tid]} in flight on instances holding another: {pairs[:3]}"
+                        for tid, pairs in list(by_heartbeat.items())[:5])
 
 
 def _records(bootstrap: str, run_id: str, topic: str, cls: type[Record], start: dict[int, int]) -> list[Any]:
@@ -276,7 +376,9 @@ def audit_run(bootstrap: str, run_id: str | None = None) -> AuditReport:
     batches = _records(bootstrap, info.run_id, topics.BATCHES, TrainBatch, start(topics.BATCHES))
     dlq = _records(bootstrap, info.run_id, topics.DLQ, DeadLetter, start(topics.DLQ))
     versions = _records(bootstrap, info.run_id, topics.VERSIONS, PolicyVersion, start(topics.VERSIONS))
-    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions)
+    chunks = _records(bootstrap, info.run_id, topics.TOKENS, TokenChunk, start(topics.TOKENS))
+    statuses = _records(bootstrap, info.run_id, topics.INSTANCES, InstanceStatus, start(topics.INSTANCES))
+    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses)
 
 
 def report_json(report: AuditReport) -> str:

@@ -72,7 +72,12 @@ class DoraConfig:
 
     reward_timeout_s: float = 10.0
     """Per-call limit of the reward function: a call still running after it is abandoned (its worker
-    process killed and replaced) and the trajectory dead-lettered with reason ``timeout``."""
+    process killed and replaced) and the attempt counts as failed (reason ``timeout``)."""
+
+    max_attempts: int = 2
+    """Poison input: how many times one trajectory's reward, or one request alone on an engine, is
+    tried before it is refused to ``dora.dlq`` (with its GRPO group, which the orchestrator replaces
+    by a new prompt). See ``dora_rl.core.attempts``."""
 
     engine: EngineKind = "torch"
     """Rollout engine: ``torch`` (CPU/GPU, any HF causal LM), ``vllm`` (GPU), ``emulated``
@@ -155,8 +160,8 @@ class DoraConfig:
         if self.rollout_batch_size % self.group_size:
             raise ValueError("rollout_batch_size must be a multiple of group_size")
         StalenessBound(self.max_staleness)  # raises on a negative bound
-        if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1:
-            raise ValueError("steps, num_instances and instance_concurrency must be >= 1")
+        if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1 or self.max_attempts < 1:
+            raise ValueError("steps, num_instances, instance_concurrency and max_attempts must be >= 1")
         if self.num_instances > self.num_partitions:
             raise ValueError("num_instances must be <= num_partitions (one request partition each)")
         if self.weight_transport not in ("ucx", "tcp", "file"):

@@ -61,8 +61,8 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) ->
     elif role == "scorer":
         from dora_rl.streams.reward_scorer import run_scorer
 
-        run_scorer(bootstrap, info.run_id, start, config.num_partitions, index, stop.is_set,
-                   reward_fn=config.reward_fn, reward_timeout_s=config.reward_timeout_s)
+        run_scorer(bootstrap, info.run_id, start, config.num_partitions, stop.is_set, reward_fn=config.reward_fn,
+                   reward_timeout_s=config.reward_timeout_s, max_attempts=config.max_attempts)
     elif role == "assembler":
         from dora_rl.streams.assembler import run_assembler
 
@@ -79,7 +79,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) ->
         _, tok = load_policy(resolve_model(config.model, config.seed))
         prompts_start = {p: o for (t, p), o in start.items() if t == topics.PROMPTS}
         n = produce_prompts(bootstrap, info.run_id, config.task, prompts_needed(config), config.seed, tok,
-                            config.num_partitions, prompts_start)
+                            prompts_start)
         log.info("wrote %d prompts", n)
     else:
         raise ValueError(f"unknown role {role!r}; roles: {ROLES}")

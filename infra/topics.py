@@ -82,14 +82,17 @@ _ROLE_ENTRY = "dora_rl/roles.py"  # every role reads its run from dora.runs here
 ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("dataset", "role", "dora-rl dataset", ("producers/dataset.py", _ROLE_ENTRY), "writes a run's prompts"),
     Actor("orchestrator", "role", "dora-rl orchestrator",
-          ("streams/orchestrator.py", "streams/kafka_runtime.py", _ROLE_ENTRY),
+          ("streams/orchestrator.py", "streams/kafka_runtime.py", "infra/snapshots.py", _ROLE_ENTRY),
           "dispatches version-tagged requests, migrates trajectories, plans every batch"),
-    Actor("rollout", "role", "dora-rl rollout --index i", ("producers/rollout/worker.py", _ROLE_ENTRY),
+    Actor("rollout", "role", "dora-rl rollout --index i",
+          ("producers/rollout/worker.py", "producers/rollout/requests.py", "producers/rollout/poison.py",
+           "infra/snapshots.py", _ROLE_ENTRY),
           "a rollout instance: holds one policy version, generates what it is asked"),
-    Actor("scorer", "role", "dora-rl scorer", ("streams/reward_scorer.py", _ROLE_ENTRY),
+    Actor("scorer", "role", "dora-rl scorer",
+          ("streams/reward_scorer.py", "streams/kafka_runtime.py", "infra/snapshots.py", _ROLE_ENTRY),
           "scores trajectories (Kafka transactions: exactly-once)"),
     Actor("assembler", "role", "dora-rl assembler",
-          ("streams/assembler.py", "streams/kafka_runtime.py", _ROLE_ENTRY),
+          ("streams/assembler.py", "streams/kafka_runtime.py", "infra/snapshots.py", _ROLE_ENTRY),
           "materialises planned batches, staleness gate (transactions: exactly one batch per step)"),
     Actor("trainer", "role", "dora-rl trainer", ("consumers/trainer/role.py", _ROLE_ENTRY),
           "trains each batch, announces each new version"),
@@ -173,10 +176,13 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
     week, day = 7 * DAY_MS, DAY_MS
     group = "v<policy_version:010d>/<group_id>"
     return (
-        TopicSpec(PROMPTS, num_partitions, "dora.v1.Prompt", "dataset prompts of a run, before dispatch",
+        TopicSpec(PROMPTS, 1, "dora.v1.Prompt", "dataset prompts of a run, before dispatch, in dataset order",
                   writers=("dataset",), readers=("orchestrator",),
-                  key="v-/<group_id>", partitioning="group_id", retention_ms=week,
-                  notes="No version exists before dispatch, hence `v-` in the key."),
+                  key="v-/<group_id>", partitioning="single", retention_ms=week,
+                  notes="No version exists before dispatch, hence `v-` in the key. One partition, so the "
+                        "orchestrator sees (and dispatches, FIFO) the prompts in dataset order p0, p1, ...: "
+                        "a run's prompt-to-step assignment is reproducible (docs/decisions/0016). Clusters "
+                        "created before this hold more partitions; only partition 0 is written."),
         TopicSpec(REQUESTS, MAX_INSTANCES, "dora.v1.RolloutRequest",
                   "version-tagged GENERATE / CANCEL requests, one partition per rollout instance",
                   writers=("orchestrator",), readers=("rollout", "orchestrator", "audit", "replay"),
@@ -186,10 +192,11 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "audit checks C1/C2 against them. A request with partial tokens is a migration."),
         TopicSpec(TOKENS, num_partitions, "dora.v1.TokenChunk",
                   "token chunks as they are decoded; the aborted partial response of a migrating trajectory",
-                  writers=("rollout",), readers=("orchestrator", "replay"),
+                  writers=("rollout",), readers=("orchestrator", "audit", "replay"),
                   key=group, partitioning="group_id", retention_ms=day,
                   notes="The orchestrator subscribes only in `dora` and `partial` mode, and uses only chunks "
-                        "with `aborted = true` (migration hand-off). No monitor reads this topic today."),
+                        "with `aborted = true` (migration hand-off). The audit checks every chunk's version "
+                        "against its trajectory's (C1). No monitor reads this topic today."),
         TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
                   "completed trajectories (reward null), in completion order",
                   writers=("rollout",), readers=("scorer", "orchestrator", "audit", "replay"),
@@ -197,13 +204,13 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                   notes="The orchestrator reads completions (instance load, batch planning); the key's "
                         "version is the request's."),
         TopicSpec(SCORED, num_partitions, "dora.v1.Trajectory", "trajectories with their reward",
-                  writers=("scorer",), readers=("assembler", "replay", "bench"),
+                  writers=("scorer",), readers=("assembler", "orchestrator", "replay", "bench"),
                   key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
                   notes="Written in Kafka transactions (consumed offsets included): exactly-once from "
                         "`dora.rollout.trajectories`. Default topic of `dora-rl replay`."),
         TopicSpec(INSTANCES, 1, "dora.v1.InstanceStatus",
                   "rollout instance heartbeats: loaded version, state, in-flight, busy time",
-                  writers=("rollout",), readers=("run", "monitor", "bench"),
+                  writers=("rollout",), readers=("run", "monitor", "audit", "bench"),
                   key="v<loaded_version:010d>/<instance_id>", partitioning="single",
                   retention_ms=day,
                   notes="The key holds version 0 before the first load. Not compacted, on purpose: the "
@@ -228,11 +235,13 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "there is exactly one committed batch per step."),
         TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason and the original bytes",
                   writers=("orchestrator", "rollout", "scorer", "assembler", "trainer", "monitor", "run"),
-                  readers=("monitor", "audit", "replay"),
+                  readers=("orchestrator", "monitor", "audit", "replay"),
                   key="<refused record's key> or <topic>/<partition>/<offset>",
                   partitioning="single", retention_ms=30 * DAY_MS, max_message_bytes=BATCH_MAX_BYTES,
                   notes="Any consumer built on `RunConsumer` dead-letters what it cannot decode (so the "
-                        "monitor and `dora-rl run` may write here too); the dataset producer consumes nothing."),
+                        "monitor and `dora-rl run` may write here too); the dataset producer consumes nothing. "
+                        "A letter naming a `group_id` refuses that whole GRPO group: the orchestrator withdraws "
+                        "it and dispatches a replacement prompt."),
         TopicSpec(METRICS, 1, "dora.v1.Metric", "numeric monitoring events",
                   writers=("orchestrator", "rollout", "scorer", "assembler", "trainer"),
                   readers=("run", "monitor", "bench"),
@@ -244,13 +253,16 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                   key="v<train_step:010d>/plan", partitioning="single", retention_ms=week,
                   notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
         TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",
-                  "stream processors' state: one snapshot per commit, in the commit's transaction",
-                  writers=("orchestrator", "assembler"), readers=("orchestrator", "assembler", "bench"),
+                  "roles' state: a stream processor's snapshot per commit, a rollout instance's tries",
+                  writers=("orchestrator", "assembler", "scorer", "rollout"),
+                  readers=("orchestrator", "assembler", "scorer", "rollout", "bench"),
                   key="<run_id>/<processor>", partitioning="single", retention_ms=None, cleanup="compact",
                   max_message_bytes=BATCH_MAX_BYTES,
-                  notes="Written with the processor's outputs and consumed offsets in one transaction "
-                        "(streams/kafka_runtime.py); a restarted processor reads its latest snapshot "
-                        "backwards from the end (docs/decisions/0015)."),
+                  notes="A processor's snapshot is written with its outputs and consumed offsets in one "
+                        "transaction (streams/kafka_runtime.py); a rollout instance's poison-input tries "
+                        "(key `<run_id>/rollout-<i>.attempts`) are flushed before each engine call "
+                        "(producers/rollout/poison.py). A restarted role reads its latest record backwards "
+                        "from the end (infra/snapshots.py, docs/decisions/0015)."),
         TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle: config, start offsets, state, summary",
                   writers=("run",), readers=(*ROLE_NAMES, "monitor", "audit", "replay", "runs", "bench"),
                   key="run/<run_id>", partitioning="single", retention_ms=None, cleanup="compact",

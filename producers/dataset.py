@@ -1,7 +1,7 @@
 """The dataset producer: writes a run's prompts to ``dora.prompts``.
 
-Writes ``dora.prompts`` (key ``v-/<group_id>``, partition from the group id); read by the
-orchestrator. Prompt ``i`` of a run has ``prompt_id = group_id = "<run_id>/p<i>"``; the stream is
+Writes ``dora.prompts`` (key ``v-/<group_id>``, one partition: the orchestrator dispatches in dataset
+order); read by the orchestrator. Prompt ``i`` of a run has ``prompt_id = group_id = "<run_id>/p<i>"``; the stream is
 deterministic in ``(task, seed)``, so a replayed or resumed run sees the same prompts.
 
 Idempotent: the prompts written by one process commit in one Kafka transaction
@@ -19,7 +19,7 @@ import numpy as np
 
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import RecordProducer, now_ms, read_all
-from dora_rl.infra.keys import make_key, partition_for
+from dora_rl.infra.keys import make_key
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import Prompt
 
@@ -53,7 +53,7 @@ def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
 
 
 def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, seed: int, tokenizer: object,
-                    num_partitions: int, start: dict[int, int] | None = None) -> int:
+                    start: dict[int, int] | None = None) -> int:
     """Write the prompts not written yet, in one transaction; returns how many were written."""
     producer = RecordProducer(bootstrap, f"dataset-{run_id}", **{"transactional.id": f"dora.{run_id}.dataset"})
     producer.raw.init_transactions(60)
@@ -65,8 +65,7 @@ def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, see
     for i, prompt in enumerate(generate_prompts(run_id, task_name, count, seed, tokenizer)):
         if i < have:
             continue  # drawn anyway: the stream stays deterministic in (task, seed)
-        producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id),
-                      partition=partition_for(prompt.group_id, num_partitions))
+        producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id), partition=0)  # dataset order
         n += 1
     producer.raw.commit_transaction(120)
     return n

@@ -300,6 +300,9 @@ class DeadLetter(Record):
     run_id: str | None = None
     key: bytes | None = None
     value: bytes | None = None
+    group_id: str | None = None
+    trajectory_id: str | None = None
+    attempts: int = 0
 
 
 @dataclass(frozen=True)

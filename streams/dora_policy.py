@@ -81,6 +81,7 @@ class DoraScheduler(Generic[P]):
         self.cancels: list[Cancel] = []
         self.repartitions = 0
         self.switches = 0
+        self.refused_groups = 0
         self.repartition_s = config.repartition_s
         self._last_repartition = 0.0
 
@@ -99,7 +100,28 @@ class DoraScheduler(Generic[P]):
         t = self.state.trajs.get(trajectory_id)
         if t is not None:
             t.done = True
+
+    def on_scored(self, trajectory_id: str) -> None:
         self.planner.complete(trajectory_id)
+
+    def on_refused(self, group_id: str) -> None:
+        """Withdraw the group (see ``SchedulingRules.on_refused``): members still decoding are cancelled,
+        and its share of the run's budget (``dispatched``) is given back, so rule 4 dispatches a
+        replacement prompt."""
+        tids = self.planner.withdraw(group_id)
+        if not tids:
+            return
+        cancels: dict[int, list[tuple[str, int]]] = {}
+        for tid in tids:
+            t = self.state.trajs.pop(tid, None)
+            self.state.migrating.pop(tid, None)
+            if t is not None and not t.done and t.instance >= 0:
+                cancels.setdefault(t.instance, []).append((tid, t.version))
+        self._resume = deque(m for m in self._resume if m[0].trajectory_id not in set(tids))
+        self.cancels.extend(Cancel(i, tuple(t for t, _ in m), tuple(v for _, v in m))
+                            for i, m in sorted(cancels.items()))
+        self.state.dispatched -= len(tids)
+        self.refused_groups += 1
 
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         self.state.next_cut = max(self.state.next_cut, train_step + 1)

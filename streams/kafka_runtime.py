@@ -40,32 +40,15 @@ from dora_rl.infra.kafka_io import (
     is_record,
     letter_key,
     now_ms,
-    read_backwards,
     read_range,
 )
+from dora_rl.infra.snapshots import latest_snapshot, send_snapshot
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import ProcessorSnapshot, Record
+from dora_rl.schemas.records import Record
 
 from .processor import Context, InRecord, OutRecord, Processor, Ref
 
 log = logging.getLogger(__name__)
-
-
-def snapshot_key(run_id: str, name: str) -> str:
-    return f"{run_id}/{name}"
-
-
-def latest_snapshot(bootstrap: str, run_id: str, name: str) -> ProcessorSnapshot | None:
-    """The newest committed snapshot of processor ``name`` of ``run_id``, or None (a fresh start)."""
-    key = snapshot_key(run_id, name).encode()
-    for window in read_backwards(bootstrap, topics.STATE):
-        for msg in reversed(window):
-            if msg.key() == key:
-                try:
-                    return ProcessorSnapshot.decode(msg.value(), msg.headers())
-                except DecodeError as exc:
-                    raise RuntimeError(f"snapshot of {name} at offset {msg.offset()} is unreadable") from exc
-    return None
 
 
 class RefFetcher:
@@ -178,9 +161,7 @@ class KafkaDriver:
             for o in outs:
                 self.producer.send(o.topic, o.record, o.key, partition=o.partition)
             self.commits += 1
-            snap = ProcessorSnapshot(run_id=self.run_id, processor=self.proc.name, commit=self.commits,
-                                     ts_ms=now_ms(), state=self.proc.snapshot())
-            self.producer.send(topics.STATE, snap, snapshot_key(self.run_id, self.proc.name), partition=0)
+            send_snapshot(self.producer, self.run_id, self.proc.name, self.commits, self.proc.snapshot())
             positions = self.consumer.position(self.consumer.assignment())
             self.producer.raw.send_offsets_to_transaction(
                 [tp for tp in positions if tp.offset >= 0], self.consumer.consumer_group_metadata(), 60)

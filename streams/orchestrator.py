@@ -1,7 +1,10 @@
 """The orchestrator role: feeds events into the scheduling rules and emits version-tagged requests.
 
-Reads ``dora.prompts``, ``dora.policy.versions``, ``dora.rollout.trajectories`` (completions),
-``dora.train.batches`` (consumption) and, in ``dora``/``partial`` mode, the aborted chunks of
+Reads ``dora.prompts``, ``dora.policy.versions``, ``dora.rollout.trajectories`` (decoding finished: the
+instance is free of it), ``dora.rollout.scored`` (the trajectory has its reward: its group may be
+planned once every member has one), ``dora.dlq`` (letters naming a ``group_id``: the group was refused,
+so it is withdrawn and a replacement prompt dispatched), ``dora.train.batches`` (consumption) and, in
+``dora``/``partial`` mode, the aborted chunks of
 ``dora.rollout.tokens`` (partials of migrating trajectories); writes ``dora.rollout.requests``
 (partition = the target instance's index, key ``v<version>/<group_id>``), ``dora.schedule`` (batch
 plans) and ``dora.metrics``.
@@ -31,6 +34,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import (
     BatchPlan,
+    DeadLetter,
     Metric,
     PolicyVersion,
     Prompt,
@@ -52,7 +56,8 @@ COMPONENT = "orchestrator"
 def input_types(config: DoraConfig) -> dict[str, type[Record]]:
     """The topics the orchestrator reads in ``config.mode`` and their record types."""
     types: dict[str, type[Record]] = {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion,
-                                      topics.TRAJECTORIES: Trajectory, topics.BATCHES: TrainBatch}
+                                      topics.TRAJECTORIES: Trajectory, topics.SCORED: Trajectory,
+                                      topics.DLQ: DeadLetter, topics.BATCHES: TrainBatch}
     if config.mode in ("dora", "partial"):
         types[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
     return types
@@ -73,6 +78,7 @@ class Orchestrator:
         self.segments: dict[str, list[int]] = {}  # partial mode: version of every token so far
         self.consumed_steps = 0
         self.sched_s = 0.0
+        self.withdrawn: list[str] = []  # groups refused since the last punctuate (prompts dropped there)
 
     # -- processor -----------------------------------------------------------------------------
 
@@ -90,6 +96,14 @@ class Orchestrator:
             self.rules.on_version(int(r.version), ctx.now())
         elif rec.topic == topics.TRAJECTORIES:
             self.rules.on_completed(r.trajectory_id)
+        elif rec.topic == topics.SCORED:
+            self.rules.on_scored(r.trajectory_id)
+        elif rec.topic == topics.DLQ:
+            if r.group_id and r.group_id in self.prompts:
+                log.warning("group %s refused by %s (%s): withdrawn, a replacement is dispatched",
+                            r.group_id, r.component, r.reason)
+                self.rules.on_refused(r.group_id)
+                self.withdrawn.append(r.group_id)
         elif rec.topic == topics.BATCHES:
             self.consumed_steps = max(self.consumed_steps, int(r.train_step) + 1)
             tids = [t.trajectory_id for t in r.trajectories]
@@ -112,12 +126,13 @@ class Orchestrator:
             ctx.emit(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
             out += 1
         for cancel in self.rules.take_cancels():
-            for tid in cancel.trajectory_ids:
-                version = self.rules.version_of(tid)
+            for j, tid in enumerate(cancel.trajectory_ids):
+                version = cancel.versions[j] if cancel.versions else self.rules.version_of(tid)
                 req = self._request(self._prompt_of(tid), tid, version, cancel.instance, ctx).replace(
                     action="CANCEL")
                 ctx.emit(topics.REQUESTS, req, make_key(version, req.group_id), partition=cancel.instance)
-            self._metric(ctx, "migrations_started", len(cancel.trajectory_ids))
+            if not cancel.versions:
+                self._metric(ctx, "migrations_started", len(cancel.trajectory_ids))
         for mig, target in self.rules.resumes():
             chunk: TokenChunk = mig.partial
             self.partial_ref.pop(mig.trajectory_id, None)
@@ -134,6 +149,13 @@ class Orchestrator:
             plan = BatchPlan(run_id=self.run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=ctx.wall_ms())
             ctx.emit(topics.SCHEDULE, plan, make_key(step, "plan"))
             out += 1
+        for gid in self.withdrawn:  # after their cancels were built
+            self.prompts.pop(gid, None)
+            self.prompt_ref.pop(gid, None)
+            for tid in [t for t in self.partial_ref if t.rsplit("/", 1)[0] == gid]:
+                del self.partial_ref[tid]
+            self._metric(ctx, "groups_refused", 1)
+        self.withdrawn.clear()
         self.sched_s += time.perf_counter() - t0
         if out:
             self._metric(ctx, "scheduling_s", self.sched_s)

@@ -130,6 +130,17 @@ class Planner:
                 self.completed_seq[gid] = self._seq
                 self._seq += 1
 
+    def withdraw(self, group_id: str) -> list[str]:
+        """Remove an unplanned group (it was refused); returns its trajectory ids ([] when the group is
+        unknown: never dispatched, or planned already). The EDF condition only gets easier."""
+        tids = sorted(self.members.pop(group_id, set()))
+        for t in tids:
+            self.version_of.pop(t, None)
+            self.group_of.pop(t, None)
+            self.done.discard(t)
+        self.completed_seq.pop(group_id, None)
+        return tids
+
     def plans(self) -> list[tuple[int, list[str]]]:
         """Every batch that can be planned now, in step order."""
         out: list[tuple[int, list[str]]] = []

@@ -1,87 +1,139 @@
-"""The reward scorer: a stream processor from ``dora.rollout.trajectories`` to ``dora.rollout.scored``.
+"""The reward scorer as a processor: ``dora.rollout.trajectories`` in, ``dora.rollout.scored`` out.
 
-Exactly-once: each poll's output (scored trajectories and dead letters) and the consumed offsets
-commit in one Kafka transaction (``transactional.id`` fixed per run and scorer index, so a
-restarted scorer fences its zombie predecessor). Downstream consumers read ``read_committed``.
+Run by :class:`~dora_rl.streams.kafka_runtime.KafkaDriver`: each commit puts the scored trajectories,
+the dead letters, the metrics, the (tiny) snapshot and the consumed positions in one transaction, so
+a restarted scorer neither loses nor repeats a committed score, and a zombie is fenced. Downstream
+consumers read ``read_committed``.
 
-Pluggable: the reward comes from :class:`dora_rl.core.rewards.RewardRunner` running ``reward_fn``
-(``DoraConfig.reward_fn``: ``task`` = the trajectory's task's own verifier, or a ``module:function``)
-in a worker process, ``reward_timeout_s`` per call; each poll's trajectories go to it in one batch.
-Any other service can take this role at topic level (consume trajectories, produce scored records).
-A trajectory without a reward (unknown task, exception, non-finite or out-of-range value, timeout,
-worker crash: a :class:`~dora_rl.core.rewards.RewardError`) is dead-lettered with error type
-``reward`` and the error's message; the scorer keeps running.
+Pluggable: the reward comes from a scoring function (in a run,
+:class:`dora_rl.core.rewards.RewardRunner` running ``DoraConfig.reward_fn`` in a worker process with
+``reward_timeout_s`` per call; in tests, any function). The trajectories received since the last
+punctuation go to it as one batch.
+
+Poison input: a trajectory whose reward fails (an exception, a non-finite or out-of-range value, a
+timeout, a crashed worker: a :class:`~dora_rl.core.rewards.RewardError`) is tried again, up to
+``max_attempts`` tries in all, then refused to ``dora.dlq`` with the error's message, its
+``group_id`` and its tries: the orchestrator withdraws the whole group and dispatches a replacement,
+so batches stay whole groups of exactly TBS. The tries are counted in memory: the reward runs in a
+worker process, so a reward that kills, hangs or exhausts memory costs that worker, never the scorer
+(``dora_rl.core.rewards``), and nothing the scorer does with a trajectory can kill the scorer itself.
+
+Snapshot: the counters of scored and refused trajectories (the outputs are a function of the input
+alone, so a restore needs nothing else). A regenerated copy of a trajectory (an instance restarted)
+is scored again; the assembler keeps the first copy by trajectory id.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from dora_rl.core.rewards import RewardError, RewardRequest, RewardRunner
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, Envelope, Metrics, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.keys import make_key, partition_for
-from dora_rl.schemas.records import Trajectory
+from dora_rl.schemas.records import DeadLetter, Metric, Trajectory
+
+from .processor import Context, InRecord
 
 log = logging.getLogger(__name__)
 COMPONENT = "scorer"
+ScoreFn = Callable[[Sequence[Trajectory]], list[float | RewardError]]
 
 
-def score(trajectories: Sequence[Trajectory], runner: RewardRunner) -> list[Trajectory | RewardError]:
-    """For each trajectory, in order: its scored copy, or the :class:`RewardError` saying why it has none."""
-    outcomes = runner.score_many([RewardRequest(t.task, t.reference, t.response_text, t.trajectory_id)
-                                  for t in trajectories])
-    return [o if isinstance(o, RewardError) else t.replace(reward=o, scored_ms=now_ms())
-            for t, o in zip(trajectories, outcomes, strict=True)]
+def runner_scores(runner: RewardRunner) -> ScoreFn:
+    """A scoring function over a :class:`RewardRunner` (one batch per call)."""
+    def score(batch: Sequence[Trajectory]) -> list[float | RewardError]:
+        return runner.score_many([RewardRequest(t.task, t.reference, t.response_text, t.trajectory_id)
+                                  for t in batch])
+    return score
 
 
-def run_scorer(bootstrap: str, run_id: str, start_offsets: dict[tuple[str, int], int],
-               num_partitions: int, index: int = 0, stop: Callable[[], bool] = lambda: False,
-               reward_fn: str = "task", reward_timeout_s: float = 10.0) -> None:
-    """Score until ``stop()`` is true (checked between polls)."""
+class Scorer:
+    """The scorer's processor (see the module docstring)."""
+
+    name = COMPONENT
+    inputs: tuple[str, ...] = (topics.TRAJECTORIES,)
+
+    def __init__(self, run_id: str, num_partitions: int, score: ScoreFn, max_attempts: int = 2) -> None:
+        self.run_id, self.num_partitions, self.score_fn = run_id, num_partitions, score
+        self.max_attempts = max(1, max_attempts)
+        self.batch: list[InRecord] = []
+        self.scored = 0
+        self.refused = 0
+
+    def init(self, ctx: Context) -> None:
+        pass
+
+    def process(self, rec: InRecord, ctx: Context) -> None:
+        self.batch.append(rec)
+
+    def punctuate(self, now: float, ctx: Context) -> None:
+        if not self.batch:
+            return
+        t0 = time.perf_counter()
+        todo, self.batch = self.batch, []
+        errors: dict[int, RewardError] = {}
+        rewards: dict[int, float] = {}
+        left = list(range(len(todo)))
+        for _ in range(self.max_attempts):
+            outcomes = self.score_fn([todo[i].record for i in left])
+            for i, o in zip(left, outcomes, strict=True):
+                if isinstance(o, RewardError):
+                    errors[i] = o
+                else:
+                    rewards[i] = o
+                    errors.pop(i, None)
+            left = [i for i in left if i in errors]
+            if not left:
+                break
+        for i, rec in enumerate(todo):
+            traj: Trajectory = rec.record
+            if i in rewards:
+                out = traj.replace(reward=rewards[i], scored_ms=ctx.wall_ms())
+                ctx.emit(topics.SCORED, out, make_key(int(traj.policy_version), traj.group_id),
+                         partition=partition_for(traj.group_id, self.num_partitions))
+                self.scored += 1
+            else:
+                self._refuse(ctx, rec, errors[i])
+        for name, value in (("scored_total", self.scored), ("reward_errors_total", self.refused),
+                            ("score_s", time.perf_counter() - t0)):
+            ctx.emit(topics.METRICS, Metric(run_id=self.run_id, component=COMPONENT, name=name, value=float(value),
+                                            ts_ms=ctx.wall_ms()), f"{COMPONENT}/{name}")
+
+    def _refuse(self, ctx: Context, rec: InRecord, err: RewardError) -> None:
+        traj: Trajectory = rec.record
+        self.refused += 1
+        reason = f"no reward after {self.max_attempts} tries: {err.message}"
+        letter = DeadLetter(component=COMPONENT, reason=reason[:2000], error_type="reward", source_topic=rec.topic,
+                            source_partition=rec.partition, source_offset=rec.offset, ts_ms=ctx.wall_ms(),
+                            run_id=self.run_id, key=rec.key, value=traj.encode()[0], group_id=traj.group_id,
+                            trajectory_id=traj.trajectory_id, attempts=self.max_attempts)
+        ctx.emit(topics.DLQ, letter, make_key(int(traj.policy_version), traj.group_id))
+        log.warning("refused %s (group %s): %s", traj.trajectory_id, traj.group_id, reason)
+
+    def snapshot(self) -> bytes:
+        return json.dumps({"scored": self.scored, "refused": self.refused}).encode()
+
+    def restore(self, snapshot: bytes, ctx: Context) -> None:
+        state = json.loads(snapshot)
+        self.scored, self.refused = int(state["scored"]), int(state["refused"])
+
+    def close(self) -> None:
+        log.info("scorer stopping: %d scored, %d refused", self.scored, self.refused)
+
+
+def run_scorer(bootstrap: str, run_id: str, start_offsets: dict[tuple[str, int], int], num_partitions: int,
+               stop: Callable[[], bool] = lambda: False, reward_fn: str = "task", reward_timeout_s: float = 10.0,
+               max_attempts: int = 2) -> None:
+    """Score until ``stop()``; every commit is one transaction (see the module docstring)."""
+    from .kafka_runtime import KafkaDriver
+
     runner = RewardRunner(reward_fn, reward_timeout_s)  # an unresolvable reward_fn fails here, before Kafka
-    consumer: RunConsumer | None = None
     try:
-        producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}-{index}",
-                                  **{"transactional.id": f"dora.{run_id}.{COMPONENT}.{index}"})
-        producer.raw.init_transactions(60)
-        dlq = DeadLetters(producer, COMPONENT, run_id)
-        metrics = Metrics(producer, run_id, COMPONENT)
-        consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.TRAJECTORIES: Trajectory}, dlq, start_offsets,
-                               **{"group.instance.id": f"dora.{run_id}.{COMPONENT}.{index}",  # static: no
-                                  "session.timeout.ms": "10000"})  # session timeout to wait out on restart
-        seen: set[str] = set()
-        scored = errors = 0
-        while not stop():
-            producer.raw.begin_transaction()
-            envelopes: list[Envelope] = consumer.poll(0.5)
-            if consumer.last_poll_count == 0:
-                producer.raw.abort_transaction()
-                continue
-            t0 = time.perf_counter()
-            fresh: dict[str, Envelope] = {}  # by trajectory id: one reward call per trajectory and poll
-            for env in envelopes:
-                if env.record.trajectory_id not in seen:  # else: redelivery, already scored and committed
-                    fresh.setdefault(env.record.trajectory_id, env)
-            batch = list(fresh.values())
-            for env, out in zip(batch, score([env.record for env in batch], runner), strict=True):
-                if isinstance(out, RewardError):
-                    dlq.refuse(env, out.message, "reward", value=env.record.encode()[0])
-                    errors += 1
-                    continue
-                seen.add(out.trajectory_id)
-                producer.send(topics.SCORED, out, make_key(int(out.policy_version), out.group_id),
-                              partition=partition_for(out.group_id, num_partitions))
-                scored += 1
-            if envelopes:
-                metrics.emit("scored_total", scored)
-                metrics.emit("reward_errors_total", errors)
-                metrics.emit("score_s", time.perf_counter() - t0)
-            consumer.commit_in_transaction(producer.raw)
-            producer.raw.commit_transaction(60)
+        scorer = Scorer(run_id, num_partitions, runner_scores(runner), max_attempts)
+        KafkaDriver(bootstrap, run_id, scorer, {topics.TRAJECTORIES: Trajectory}, start_offsets,
+                    commit_interval_s=0.3).run(stop)
     finally:
-        if consumer is not None:
-            consumer.close()
         runner.close()

@@ -50,14 +50,16 @@ def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:
             "instance_version": st.instance_version, "migrating": st.migrating,
             "planner": dump_planner(s.planner), "prompts": [[g, dump(p)] for g, p in s._prompts],
             "resume": [[m.trajectory_id, m.version, dump(m.partial), v] for m, v in s._resume],
-            "cancels": [[c.instance, list(c.trajectory_ids)] for c in s.cancels],
+            "cancels": [[c.instance, list(c.trajectory_ids), list(c.versions)] for c in s.cancels],
             "repartitions": s.repartitions, "switches": s.switches, "last_repartition": s._last_repartition,
+            "refused_groups": s.refused_groups,
         }
     if isinstance(s, Scheduler):
         w = s.state
         return {"kind": "waves", "latest": w.latest_version, "waves": w.waves_dispatched,
                 "consumed": w.consumed_steps, "in_flight": w.in_flight, "version_of": w.version_of,
-                "planner": dump_planner(s.planner), "prompts": [[g, dump(p)] for g, p in s._prompts]}
+                "planner": dump_planner(s.planner), "prompts": [[g, dump(p)] for g, p in s._prompts],
+                "replacements": s.replacements, "refused_groups": s.refused_groups}
     raise TypeError(f"no snapshot codec for {type(s).__name__}")
 
 
@@ -74,8 +76,10 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         load_planner(s.planner, d["planner"])
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
         s._resume = deque((Migration(t, int(v), load(partial)), int(rv)) for t, v, partial, rv in d["resume"])
-        s.cancels = [Cancel(int(i), tuple(ids)) for i, ids in d["cancels"]]
+        s.cancels = [Cancel(int(c[0]), tuple(c[1]), tuple(int(v) for v in (c[2] if len(c) > 2 else ())))
+                     for c in d["cancels"]]
         s.repartitions, s.switches = int(d["repartitions"]), int(d["switches"])
+        s.refused_groups = int(d.get("refused_groups", 0))
         s._last_repartition = float(d["last_repartition"])
         return
     if isinstance(s, Scheduler):
@@ -87,6 +91,8 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         w.version_of = {t: int(v) for t, v in d["version_of"].items()}
         load_planner(s.planner, d["planner"])
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
+        s.replacements = [int(v) for v in d.get("replacements", [])]
+        s.refused_groups = int(d.get("refused_groups", 0))
         return
     raise TypeError(f"no snapshot codec for {type(s).__name__}")
 

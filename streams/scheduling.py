@@ -53,10 +53,12 @@ class Dispatch(Generic[P]):
 
 @dataclass(frozen=True)
 class Cancel:
-    """Stop these trajectories on ``instance`` (it is switching to another version)."""
+    """Stop these trajectories on ``instance`` (it is switching to another version, or their group was
+    refused: then ``versions`` holds each one's version, since the rules have forgotten them)."""
 
     instance: int
     trajectory_ids: tuple[str, ...]
+    versions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,19 @@ class SchedulingRules(Protocol[P]):
 
     def on_completed(self, trajectory_id: str) -> None:
         """A trajectory finished decoding (its instance is free of it)."""
+        ...
+
+    def on_scored(self, trajectory_id: str) -> None:
+        """A trajectory has its reward: it may be planned into a batch once its whole group has one."""
+        ...
+
+    def on_refused(self, group_id: str) -> None:
+        """A member of the group was refused (dead-lettered: the engine failed on it, or it has no reward).
+
+        The whole group is withdrawn (its members still decoding are cancelled) and a replacement
+        group is dispatched in its place, so batches stay whole groups of exactly TBS (C2 counts the
+        group as refused, not lost). A group that is unknown or already planned is left alone (the
+        refusal concerned a copy)."""
         ...
 
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
@@ -161,6 +176,8 @@ class Scheduler(Generic[P]):
         self.state = SchedulerState()
         self.planner = Planner(config.train_batch_size, config.group_size, config.max_staleness, config.steps)
         self._prompts: deque[tuple[str, P]] = deque()
+        self.replacements: list[int] = []  # versions of refused groups still to replace
+        self.refused_groups = 0
 
     def add_prompt(self, group_id: str, prompt: P) -> None:
         """Queue a prompt (FIFO)."""
@@ -173,7 +190,20 @@ class Scheduler(Generic[P]):
     def on_completed(self, trajectory_id: str) -> None:
         """A trajectory finished decoding (its instance is free of it)."""
         self.state.in_flight.pop(trajectory_id, None)
+
+    def on_scored(self, trajectory_id: str) -> None:
         self.planner.complete(trajectory_id)
+
+    def on_refused(self, group_id: str) -> None:
+        """Withdraw the group; its replacement is dispatched with the same version (see the protocol)."""
+        tids = self.planner.withdraw(group_id)
+        if not tids:
+            return
+        versions = [self.state.version_of.pop(t) for t in tids]
+        for t in tids:
+            self.state.in_flight.pop(t, None)
+        self.replacements.append(min(versions))
+        self.refused_groups += 1
 
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         """A batch was cut for ``train_step``."""
@@ -195,28 +225,39 @@ class Scheduler(Generic[P]):
     def dispatch(self) -> list[Dispatch[P]]:
         """Every dispatch allowed now (possibly several waves)."""
         out: list[Dispatch[P]] = []
+        while self.replacements and self._prompts:  # a refused group's replacement, in its wave's version
+            version = self.replacements.pop(0)
+            group_id, prompt = self._prompts.popleft()
+            out.extend(self._dispatch_group(group_id, prompt, version, version + 1 if self.mode == "one_step_off"
+                                            else version))
         while self.state.waves_dispatched < self.steps:
             wave = self.state.waves_dispatched
             version = self.wave_version(wave)
             if version > self.state.latest_version or len(self._prompts) < self.prompts_per_wave:
                 break
-            load = self.load()
             for _ in range(self.prompts_per_wave):
                 group_id, prompt = self._prompts.popleft()
-                for i in range(self.group_size):
-                    inst = min(range(self.num_instances), key=lambda j: (load[j], j))
-                    load[inst] += 1
-                    d = Dispatch(prompt, group_id, i, version, inst, wave)
-                    self.state.in_flight[d.trajectory_id] = inst
-                    self.state.version_of[d.trajectory_id] = version
-                    self.planner.add(d.trajectory_id, group_id, version)
-                    out.append(d)
+                out.extend(self._dispatch_group(group_id, prompt, version, wave))
             self.state.waves_dispatched += 1
         return out
 
+    def _dispatch_group(self, group_id: str, prompt: P, version: int, wave: int) -> list[Dispatch[P]]:
+        """The group's trajectories, each on the least-loaded instance."""
+        out: list[Dispatch[P]] = []
+        load = self.load()
+        for i in range(self.group_size):
+            inst = min(range(self.num_instances), key=lambda j: (load[j], j))
+            load[inst] += 1
+            d = Dispatch(prompt, group_id, i, version, inst, wave)
+            self.state.in_flight[d.trajectory_id] = inst
+            self.state.version_of[d.trajectory_id] = version
+            self.planner.add(d.trajectory_id, group_id, version)
+            out.append(d)
+        return out
+
     def done(self) -> bool:
-        """All waves dispatched."""
-        return self.state.waves_dispatched >= self.steps
+        """All waves dispatched, and every refused group replaced."""
+        return self.state.waves_dispatched >= self.steps and not self.replacements
 
     def plans(self) -> list[tuple[int, list[str]]]:
         """Batches that can be planned now: (train step, trajectory ids), EDF (see ``planning``)."""

@@ -231,6 +231,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             for tid in [t for t, tr in inst.active.items() if tr.done_tokens >= tr.length]:
                 tr = inst.active.pop(tid)
                 sched.on_completed(tid)
+                sched.on_scored(tid)  # no scorer here: a reward is instant
                 asm.add(_Done(tid, tr.group_id, min(tr.versions)))
             drain(inst, now)
             schedule(inst)

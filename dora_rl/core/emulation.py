@@ -83,6 +83,11 @@ class EmulatedParams:
     """Vocabulary size: pseudo tokens are in ``[3, vocab)``."""
     eos_id: int = 2
     """Token id that ends a ``"stop"`` response."""
+    fail_on: tuple[str, ...] = ()
+    """Fault injection (a poison prompt): a decode step that holds a request whose id ends with one of
+    these (e.g. ``"/p3/1"``) fails, as a real engine failing on one input (its batch-mates fail with it)."""
+    fail_exit: bool = False
+    """With ``fail_on``: the failure kills the process (``os._exit``) instead of raising."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -106,7 +111,8 @@ class EmulatedParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown EmulatedParams keys: {unknown}")
-        return cls(**d)
+        args: dict[str, Any] = {k: tuple(v) if k == "fail_on" else v for k, v in d.items()}
+        return cls(**args)
 
 
 # -- pure timing model -----------------------------------------------------------------------------

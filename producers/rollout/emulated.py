@@ -10,6 +10,8 @@ The timing and length model (formulas, calibration :class:`EmulatedParams`) is
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from dora_rl.core.emulation import EmulatedParams, planned_response, prefill_time, step_time
 
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from dora_rl.infra.weight_sync import Fetcher
@@ -134,6 +138,7 @@ class EmulatedEngine:
             finally:
                 with self._abort_lock:
                     self._running = False
+                    self._incoming.clear()  # a call that raised takes its joined requests with it
                     self._abort_ids.difference_update(ids)
 
     def add(self, requests: Sequence[GenRequest]) -> bool:
@@ -151,6 +156,16 @@ class EmulatedEngine:
         return True
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _inject_failure(self, active: Sequence[_Seq]) -> None:
+        """``EmulatedParams.fail_on``: fail the first decode step that holds a poison request."""
+        for s in active:
+            if any(s.req.request_id.endswith(x) for x in self.params.fail_on):
+                if self.params.fail_exit:
+                    log.error("emulated engine: killing the process on %s (fail_on)", s.req.request_id)
+                    logging.shutdown()
+                    os._exit(139)
+                raise RuntimeError(f"emulated engine failure on {s.req.request_id} (fail_on)")
 
     def _aborted(self, epoch0: int) -> tuple[set[str], bool]:
         with self._abort_lock:
@@ -246,6 +261,7 @@ class EmulatedEngine:
             self.model_time_s += k * dt_model
             self.steps += k
             self.tokens_generated += k * len(active)
+            self._inject_failure(active)
             still: list[_Seq] = []
             for s in active:
                 if s.first is None:

@@ -12,13 +12,18 @@ while it has pending work, else the oldest pending one). Requests of the held ve
 while a call runs join it when the engine batches continuously (``engine.add``); otherwise they wait
 for the next call. Requests wait for their version to be announced. The worker drives every engine
 through the :class:`~.engine.Engine` protocol alone (``load_version``, ``weights_to_serve``,
-``decode``); :func:`make_engine` is the one place that knows the kinds.
+``decode``); :func:`.requests.make_engine` is the one place that knows the kinds.
 
 Migration: a CANCEL request aborts the trajectory here; its whole partial response is written as
 one ``TokenChunk`` with ``aborted = true`` (start 0) for the orchestrator to resume elsewhere.
 
 Offsets are committed only below the oldest request not yet finished, so a crash re-generates,
 never loses, a trajectory (downstream consumers are idempotent on trajectory ids).
+
+Poison input (:mod:`.poison`, rule :mod:`dora_rl.core.attempts`): every engine call's tries are made
+durable before it starts; a call that raises does not end the instance: its unfinished requests are
+retried, a suspect alone (no joins while it runs), and one that keeps failing alone is refused to
+``dora.dlq`` with its group, which the orchestrator replaces.
 """
 
 from __future__ import annotations
@@ -31,84 +36,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, consumer_config, now_ms
+from dora_rl.infra.crashpoints import crash_point
+from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.keys import make_key, partition_for
 from dora_rl.infra.weight_sync import Fetcher
 from dora_rl.infra.weights.protocol import WeightFetchError
-from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
 from .engine import Engine, GenRequest, GenResult
+from .poison import PoisonGuard
+from .requests import RequestReader, make_engine
 
 log = logging.getLogger(__name__)
 
 FINISH = {"stop": "STOP", "length": "LENGTH", "abort": "ABORT"}
-
-
-class RequestReader:
-    """Consumer of this instance's request partition with explicit, gap-safe commits."""
-
-    def __init__(self, bootstrap: str, run_id: str, index: int, start: int, dlq: DeadLetters) -> None:
-        self.tp = TopicPartition(topics.REQUESTS, index)
-        self.dlq = dlq
-        self.run_id = run_id
-        self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.rollout-{index}",
-                                                 f"rollout-{index}-{run_id}"))
-        committed = self.consumer.committed([self.tp], timeout=30)[0].offset
-        self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start
-        self.consumer.assign([self.tp])
-        self.next_offset = self.tp.offset
-
-    def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:
-        out: list[tuple[int, RolloutRequest]] = []
-        for msg in self.consumer.consume(500, timeout):
-            if msg.error() is not None:
-                continue
-            self.next_offset = (msg.offset() or 0) + 1
-            try:
-                req = RolloutRequest.decode(msg.value(), msg.headers())
-            except DecodeError as exc:
-                self.dlq.refuse(msg, str(exc), exc.error_type)
-                continue
-            if req.run_id == self.run_id:
-                out.append((msg.offset() or 0, req))
-        return out
-
-    def commit_before(self, offset: int) -> None:
-        """Commit: every request below ``offset`` is done."""
-        if offset >= 0:
-            self.consumer.commit(offsets=[TopicPartition(self.tp.topic, self.tp.partition, offset)],
-                                 asynchronous=False)
-
-
-def make_engine(config: DoraConfig, index: int) -> Engine:
-    """The rollout engine of ``config.engine``, with its model and tokenizer loaded (the one place
-    that knows the engine kinds)."""
-    from dora_rl.policy_source import resolve_model
-
-    seed = config.seed * 1000 + index
-    if config.engine == "emulated":
-        from dora_rl.core.emulation import EmulatedParams
-
-        from .emulated import EmulatedEngine
-
-        params = EmulatedParams.from_dict({"seed": config.seed, **config.emulated})
-        return EmulatedEngine(params, capacity=config.instance_concurrency)
-    if config.engine == "vllm":
-        from .vllm_engine import VllmEngine
-
-        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature, seed=seed)
-    from dora_rl.modeling import load_policy
-
-    from .torch_engine import TorchEngine
-
-    model, tok = load_policy(resolve_model(config.model, config.seed))
-    return TorchEngine(model, tok, temperature=config.temperature, seed=seed)
 
 
 class Instance:
@@ -123,6 +68,9 @@ class Instance:
         self.lock = threading.Lock()
         self.pending: dict[str, tuple[int, RolloutRequest]] = {}  # not finished (queued or running)
         self.running: set[str] = set()
+        self.call_ids: set[str] = set()  # every request of the engine call running now (joins included)
+        self.alone = False  # the running call holds one suspect alone: nothing joins it
+        self.guard: PoisonGuard | None = None
         self.chunk_pos: dict[str, int] = {}
         self.held = -1
         self.tokens = 0
@@ -157,6 +105,7 @@ class Instance:
             final=False, ts_ms=now_ms()), make_key(self.held, req.group_id), partition=self._partition(req.group_id))
         self.tokens += len(ids)
         self.heartbeat()
+        crash_point("rollout.in_flight")
 
     def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float]) -> None:
         """Hand a cancelled trajectory back: its whole partial response, for migration."""
@@ -194,6 +143,8 @@ class Instance:
             self.pending.pop(res.request_id, None)
             self.running.discard(res.request_id)
             self.chunk_pos.pop(res.request_id, None)
+            if self.guard is not None:
+                self.guard.finished(res.request_id)
 
 
 class InstanceHolder:
@@ -237,6 +188,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     metrics = Metrics(producer, run_id, f"rollout-{index}")
     eng: Engine = engine if engine is not None else make_engine(config, index)
     inst = Instance(run_id, index, config, producer, eng.decode)
+    guard = inst.guard = PoisonGuard(bootstrap, run_id, inst.instance_id, producer, config.max_attempts)
     fetcher = Fetcher(config.weight_transport, token) if eng.fetches_weights else None
     holder = (InstanceHolder(config.weight_transport, run_id, token)
               if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
@@ -253,19 +205,46 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         try:
             eng.generate([_gen_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
                          on_finish=inst.on_finish)
+        except Exception as exc:  # the engine failed on some input: retry its unfinished requests (poison)
+            with inst.lock:
+                failed = sorted(rid for rid in inst.call_ids if rid in inst.pending)
+                inst.running.difference_update(failed)
+                log.warning("engine call failed on %d unfinished requests (%s): %s", len(failed), failed[:4], exc)
+                metrics.emit("engine_failures", 1.0)
+                try:
+                    guard.raised(failed, exc)
+                except RuntimeError as fatal:
+                    gen_error.append(fatal)
         except BaseException as exc:  # surfaced in the main loop
             gen_error.append(exc)
         finally:
             inst.busy_s += time.perf_counter() - t0
 
-    def starting() -> list[RolloutRequest]:
-        """The requests that start now (the instance rule), marked running."""
+    def starting(new_call: bool) -> list[RolloutRequest]:
+        """The requests that start now (the instance rule and the poison rule), marked running and their
+        tries made durable; refused ones are dead-lettered."""
         with inst.lock:
-            queued = [r for _, r in sorted(inst.pending.values(), key=lambda x: x[0])
+            queued = [(o, r) for o, r in sorted(inst.pending.values(), key=lambda x: x[0])
                       if r.trajectory_id not in inst.running]
-            batch = startable(inst.held, queued, lambda r: int(r.policy_version), len(inst.running),
-                              config.instance_concurrency)
+            refuse, alone, ok = guard.split([r for _, r in queued])
+            for r in refuse:
+                offset = inst.pending.pop(r.trajectory_id)[0]
+                guard.refuse(offset, r)
+            held_alone = [r for r in alone if int(r.policy_version) == inst.held]
+            if new_call and held_alone:
+                batch, inst.alone = held_alone[:1], True
+            elif inst.alone and not new_call:
+                batch = []
+            else:
+                batch = startable(inst.held, ok, lambda r: int(r.policy_version), len(inst.running),
+                                  config.instance_concurrency)
+                inst.alone = inst.alone and not new_call
+            if new_call:
+                inst.call_ids = set()
+            inst.call_ids.update(r.trajectory_id for r in batch)
             inst.running.update(r.trajectory_id for r in batch)
+            if batch:
+                guard.starting([r.trajectory_id for r in batch], alone=inst.alone)
         return batch
 
     def load(version: int) -> bool:
@@ -326,10 +305,12 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     if req.trajectory_id not in inst.pending:
                         inst.pending[req.trajectory_id] = (offset, req)
             if gen_thread is not None and gen_thread.is_alive():
-                batch = starting()  # continuous batching: join the running call (same version)
+                batch = starting(new_call=False)  # continuous batching: join the running call (same version)
                 if batch and not eng.add([_gen_request(r) for r in batch]):
                     with inst.lock:
                         inst.running.difference_update(r.trajectory_id for r in batch)
+                        inst.call_ids.difference_update(r.trajectory_id for r in batch)
+                        guard.not_started([r.trajectory_id for r in batch], alone=False)
             else:
                 producer.flush()
                 with inst.lock:
@@ -347,7 +328,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                         continue
                     if not load(version):
                         continue
-                batch = starting()
+                batch = starting(new_call=True)
                 if batch:
                     inst.state = "BUSY"
                     inst.heartbeat(force=True)

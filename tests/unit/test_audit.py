@@ -6,7 +6,16 @@ import numpy as np
 
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.audit import audit_records
-from dora_rl.schemas.records import BucketEntry, DeadLetter, PolicyVersion, RolloutRequest, TrainBatch, Trajectory
+from dora_rl.schemas.records import (
+    BucketEntry,
+    DeadLetter,
+    InstanceStatus,
+    PolicyVersion,
+    RolloutRequest,
+    TokenChunk,
+    TrainBatch,
+    Trajectory,
+)
 
 CFG = DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "train_batch_size": 4, "rollout_batch_size": 4,
                             "group_size": 2, "steps": 2})
@@ -20,12 +29,12 @@ def req(tid: str, version: int) -> RolloutRequest:
                           reference="", prompt_ids=np.array([1]), partial_ids=z, partial_logprobs=z)
 
 
-def traj(tid: str, version: int, instance_version: int | None = None, token_versions: list[int] | None = None
-         ) -> Trajectory:
+def traj(tid: str, version: int, instance_version: int | None = None, token_versions: list[int] | None = None,
+         tokens: int = 2) -> Trajectory:
     gid = tid.rsplit("/", 1)[0]
     return Trajectory(run_id="r", trajectory_id=tid, group_id=gid, prompt_id=gid, sample_index=0, group_size=2,
                       policy_version=version, task="reverse", reference="", prompt_ids=np.array([1]),
-                      response_ids=np.array([2, 3]), behaviour_logprobs=np.array([-1.0, -1.0]),
+                      response_ids=np.arange(tokens), behaviour_logprobs=np.full(tokens, -1.0),
                       instance_version=version if instance_version is None else instance_version,
                       token_versions=None if token_versions is None else np.array(token_versions), reward=0.5)
 
@@ -112,3 +121,102 @@ def test_versions_one_checksum_each_only_going_up_and_every_batch_trained() -> N
     assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(2), ann(1)]).v_not_increasing == 1
     assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1)]).c2_untrained_steps == 1
     assert audit_records("r", CFG, reqs, t, [*b, b[1]], [], good).c2_duplicate_steps == 1
+
+
+def chunk(tid: str, version: int, aborted: bool = False) -> TokenChunk:
+    return TokenChunk(run_id="r", trajectory_id=tid, group_id=tid.rsplit("/", 1)[0], policy_version=version,
+                      instance_id="rollout-0", start=0, token_ids=np.array([2]), logprobs=np.array([-1.0]),
+                      aborted=aborted)
+
+
+def heartbeat(held: int, in_flight: tuple[str, ...], instance: str = "rollout-1") -> InstanceStatus:
+    return InstanceStatus(run_id="r", instance_id=instance, instance_index=int(instance[-1]), loaded_version=held,
+                          state="BUSY", in_flight=len(in_flight), capacity=8, in_flight_ids=in_flight)
+
+
+def group_letter(gid: str, reason: str = "engine failed", attempts: int = 3, run_id: str = "r",
+                 component: str = "rollout-0") -> DeadLetter:
+    return DeadLetter(component=component, reason=reason, error_type="engine",
+                      source_topic="dora.rollout.requests", source_partition=0, source_offset=3, ts_ms=0,
+                      run_id=run_id, group_id=gid, trajectory_id=f"{gid}/0", attempts=attempts)
+
+
+def test_c1_is_checked_against_the_token_chunks() -> None:
+    reqs, t, b = clean()
+    same = [chunk(x.trajectory_id, int(x.policy_version)) for x in t]
+    aborted = chunk("a/0", 1, aborted=True)  # a migration hand-off carries the request's version: not a break
+    rep = audit_records("r", CFG, reqs, t, b, [], None, [*same, aborted])
+    assert rep.ok and rep.c1_chunk_mismatch == 0 and rep.chunks_read == 9, rep.render()
+    rep = audit_records("r", CFG, reqs, t, b, [], None, [*same, chunk("a/0", 1), chunk("a/0", 2)])
+    assert rep.c1_chunk_mismatch == 1 and rep.verdict == "FAIL"  # counted per trajectory
+    assert any("a/0" in e and "token chunks" in e for e in rep.examples)
+    rep = audit_records("r", CFG, reqs, t, b, [], None, [chunk("zz/0", 5)])  # not a batched trajectory
+    assert rep.c1_chunk_mismatch == 0
+
+
+def test_c1_is_checked_against_the_heartbeats() -> None:
+    reqs, t, b = clean()
+    good = [heartbeat(0, ("a/0", "a/1")), heartbeat(1, ("c/0",), "rollout-0"), heartbeat(-1, ())]
+    rep = audit_records("r", CFG, reqs, t, b, [], None, (), good)
+    assert rep.ok and rep.c1_heartbeat_mismatch == 0 and rep.heartbeats_read == 3, rep.render()
+    bad = [*good, heartbeat(1, ("a/0", "b/1"), "rollout-0"), heartbeat(2, ("a/0",))]  # a/0 and b/1 are v0
+    rep = audit_records("r", CFG, reqs, t, b, [], None, (), bad)
+    assert rep.c1_heartbeat_mismatch == 2 and rep.verdict == "FAIL"
+    assert "c1_heartbeat_mismatch = 2" in rep.render()
+
+
+def test_partial_mode_counts_chunk_and_heartbeat_breaks_as_expected() -> None:
+    cfg = DoraConfig.from_dict({**CFG.__dict__, "mode": "partial", "emulated": {}})
+    reqs, t, b = clean()
+    rep = audit_records("r", cfg, reqs, t, b, [], None, [chunk("a/0", 1)], [heartbeat(1, ("b/0",))])
+    assert rep.c1_breaks_expected == 2 and rep.c1_chunk_mismatch == rep.c1_heartbeat_mismatch == 0 and rep.ok
+
+
+def test_refused_groups_are_accounted_and_listed_with_their_reason() -> None:
+    reqs, t, b = clean()
+    extra = [req("e/0", 1), req("e/1", 1)]  # a group the engine failed on: withdrawn, never batched
+    generated = [*t, traj("e/1", 1, tokens=5)]  # one sibling was generated before the group was withdrawn
+    letters = [group_letter("e"), group_letter("e", "engine failed"), group_letter("e", "out of memory"),
+               group_letter("f", run_id="other")]  # another run's letter is not this run's refusal
+    rep = audit_records("r", CFG, [*reqs, *extra], generated, b, letters)
+    assert rep.c2_missing == 0 and rep.ids_unbalanced == 0 and rep.ok, rep.render()
+    assert rep.refused_groups == [{"group_id": "e", "trajectory_id": "e/0", "component": "rollout-0",
+                                   "error_type": "engine", "reason": "engine failed; out of memory",
+                                   "attempts": 3}]
+    assert rep.ids_by_version[1] == {"generated": 3, "trained": 2, "refused": 1}
+    assert rep.waste_tokens == 5 and rep.waste_trajectories == 0
+    assert "refused e (e/0) by rollout-0:engine after 3 attempts: engine failed; out of memory" in rep.render()
+    assert rep.to_dict()["refused_groups"][0]["reason"] == "engine failed; out of memory"
+    rep = audit_records("r", CFG, [*reqs, *extra], generated, b, letters[3:])  # not refused in this run
+    assert rep.c2_missing == 2 and rep.ids_unbalanced == 1 and rep.refused_groups == [] and not rep.ok
+
+
+def test_a_refused_group_that_was_trained_counts_as_batched() -> None:
+    reqs, t, b = clean()
+    rep = audit_records("r", CFG, reqs, t, b, [group_letter("a", "reward timeout")])  # a duplicate copy's refusal
+    assert rep.refused_but_trained == 1 and rep.ok and rep.waste_tokens == 0, rep.render()
+    assert rep.ids_by_version[0] == {"generated": 6, "trained": 6, "refused": 0}
+
+
+def test_ids_balance_generated_trained_refused() -> None:
+    reqs, t, b = clean()
+    stray = traj("e/0", 1)  # generated (never requested here), neither trained nor refused
+    rep = audit_records("r", CFG, reqs, [*t, stray], b)
+    assert rep.ids_unbalanced == 1 and rep.verdict == "FAIL"
+    assert rep.ids_by_version[1] == {"generated": 3, "trained": 2, "refused": 0}
+    rep = audit_records("r", CFG, reqs, t[1:], b)  # a/0 trained but never generated
+    assert rep.ids_unbalanced == 1 and rep.verdict == "FAIL"
+    assert rep.ids_by_version[0] == {"generated": 5, "trained": 6, "refused": 0}
+    rep = audit_records("r", CFG, reqs, [*t, stray], b[:1])  # a run that did not finish: reported only
+    assert rep.ids_unbalanced == 0 and rep.verdict == "INCOMPLETE"
+    assert rep.ids_by_version == {0: {"generated": 6, "trained": 4, "refused": 0},
+                                  1: {"generated": 3, "trained": 0, "refused": 0}}
+
+
+def test_regenerated_trajectories_are_counted_apart_as_waste() -> None:
+    reqs, t, b = clean()
+    again = [traj("a/0", 0, tokens=7), traj("a/0", 0, tokens=3), traj("c/1", 1, tokens=4)]  # after crashes
+    rep = audit_records("r", CFG, reqs, [*t, *again], b)
+    assert rep.waste_trajectories == 3 and rep.waste_tokens == 14 and rep.ok, rep.render()
+    assert rep.ids_by_version[0]["generated"] == 6  # distinct ids
+    assert "waste: 3 regenerated trajectories, 14 tokens" in rep.render()

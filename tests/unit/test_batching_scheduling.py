@@ -111,6 +111,7 @@ def test_dispatch_spreads_load_and_keeps_groups_whole() -> None:
     assert sorted(d.trajectory_id for d in out) == sorted(f"{g}/{i}" for g in "ab" for i in range(4))
     for d in out[:3]:
         s.on_completed(d.trajectory_id)
+        s.on_scored(d.trajectory_id)
     assert sum(s.load()) == 5
 
 

@@ -90,6 +90,7 @@ def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_t
     assert sched.state.instance_version == [0, 0, 0]
     for d in sent[:32]:  # one batch completes and is planned: room for 32 more (RBS)
         sched.on_completed(d.trajectory_id)
+        sched.on_scored(d.trajectory_id)
     assert [step for step, _ in sched.plans()] == [0]
     sched.on_version(1, 0.0)
     versions = sched.state.instance_version

@@ -23,6 +23,7 @@ from dora_rl.streams.orchestrator import Orchestrator
 from dora_rl.streams.processor import Context, InRecord, MemoryDriver, OutRecord, Ref
 
 RUN = "r1"
+POISON = f"{RUN}/p3/1"  # its reward fails: the group is refused and replaced
 
 
 def _cfg(mode: str, s: int) -> DoraConfig:
@@ -67,6 +68,11 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
                 continue
             del running[tid]
             topic, rec = topics.TRAJECTORIES, SimpleNamespace(trajectory_id=tid)
+            push(t + 0.2, "score", tid)
+        elif topic == "score":  # the scorer: a reward, or (the poison trajectory) a refusal of its group
+            topic, rec = ((topics.DLQ, SimpleNamespace(group_id=rec.rsplit("/", 1)[0], component="scorer",
+                                                       reason="reward function raised"))
+                          if rec == POISON else (topics.SCORED, SimpleNamespace(trajectory_id=rec)))
         part = 0
         offsets[topic] = offsets.get(topic, -1) + 1
         inrec = InRecord(topic, part, offsets[topic], None, rec)
@@ -97,6 +103,7 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
         if orch.done():
             break
     assert orch.done(), "the recorded world must complete the run"
+    assert any(r.topic == topics.DLQ for r in log), "the poison trajectory was never generated"
     return log, times
 
 
@@ -156,3 +163,19 @@ def test_versions_are_records_too() -> None:  # the world above feeds stand-ins;
     orch.process(InRecord(topics.PROMPTS, 0, 0, None, _prompt(0)), ctx)
     orch.punctuate(0.0, ctx)
     assert [o.record.policy_version for o in ctx.take() if o.topic == topics.REQUESTS] == [0] * 4
+
+
+@pytest.mark.parametrize(("mode", "s"), [("dora", 1), ("sync", 0)])
+def test_a_refused_group_is_withdrawn_and_replaced_so_every_batch_stays_exact(mode: str, s: int) -> None:
+    config = _cfg(mode, s)
+    inputs, times = _record_world(config, 5)
+    out = MemoryDriver(lambda: Orchestrator(RUN, config), inputs, times).run()
+    plans = [o.record for o in out if o.topic == topics.SCHEDULE]
+    assert [p.train_step for p in plans] == list(range(config.steps))
+    refused = POISON.rsplit("/", 1)[0]
+    for p in plans:
+        assert len(p.trajectory_ids) == config.train_batch_size
+        assert not any(t.startswith(refused + "/") for t in p.trajectory_ids)
+    groups = {o.record.group_id for o in out if o.topic == topics.REQUESTS and o.record.action == "GENERATE"}
+    planned = {t.rsplit("/", 1)[0] for p in plans for t in p.trajectory_ids}
+    assert groups == planned | {refused}, "a replacement group must be dispatched, nothing else left out"

@@ -1,0 +1,78 @@
+"""The Kafka I/O of a rollout instance that is not its state: its request partition and its engine.
+
+Reads partition ``index`` of ``dora.rollout.requests`` (group ``dora.<run>.rollout-<index>``);
+:func:`make_engine` is the one place that knows the engine kinds.
+"""
+
+from __future__ import annotations
+
+from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
+
+from dora_rl.config import DoraConfig
+from dora_rl.infra import topics
+from dora_rl.infra.kafka_io import DeadLetters, consumer_config
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import RolloutRequest
+
+from .engine import Engine
+
+
+class RequestReader:
+    """Consumer of this instance's request partition with explicit, gap-safe commits."""
+
+    def __init__(self, bootstrap: str, run_id: str, index: int, start: int, dlq: DeadLetters) -> None:
+        self.tp = TopicPartition(topics.REQUESTS, index)
+        self.dlq = dlq
+        self.run_id = run_id
+        self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.rollout-{index}",
+                                                 f"rollout-{index}-{run_id}"))
+        committed = self.consumer.committed([self.tp], timeout=30)[0].offset
+        self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start
+        self.consumer.assign([self.tp])
+        self.next_offset = self.tp.offset
+
+    def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:
+        out: list[tuple[int, RolloutRequest]] = []
+        for msg in self.consumer.consume(500, timeout):
+            if msg.error() is not None:
+                continue
+            self.next_offset = (msg.offset() or 0) + 1
+            try:
+                req = RolloutRequest.decode(msg.value(), msg.headers())
+            except DecodeError as exc:
+                self.dlq.refuse(msg, str(exc), exc.error_type)
+                continue
+            if req.run_id == self.run_id:
+                out.append((msg.offset() or 0, req))
+        return out
+
+    def commit_before(self, offset: int) -> None:
+        """Commit: every request below ``offset`` is done."""
+        if offset >= 0:
+            self.consumer.commit(offsets=[TopicPartition(self.tp.topic, self.tp.partition, offset)],
+                                 asynchronous=False)
+
+
+def make_engine(config: DoraConfig, index: int) -> Engine:
+    """The rollout engine of ``config.engine``, with its model and tokenizer loaded (the one place
+    that knows the engine kinds)."""
+    from dora_rl.policy_source import resolve_model
+
+    seed = config.seed * 1000 + index
+    if config.engine == "emulated":
+        from dora_rl.core.emulation import EmulatedParams
+
+        from .emulated import EmulatedEngine
+
+        params = EmulatedParams.from_dict({"seed": config.seed, **config.emulated})
+        return EmulatedEngine(params, capacity=config.instance_concurrency)
+    if config.engine == "vllm":
+        from .vllm_engine import VllmEngine
+
+        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature, seed=seed)
+    from dora_rl.modeling import load_policy
+
+    from .torch_engine import TorchEngine
+
+    model, tok = load_policy(resolve_model(config.model, config.seed))
+    return TorchEngine(model, tok, temperature=config.temperature, seed=seed)
