@@ -57,10 +57,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from dora_rl.infra.broker import resolve_bootstrap
+    from dora_rl.infra.runs import RetentionGap
     from dora_rl.launcher import resume
 
-    summary = resume(args.run_id, resolve_bootstrap(args.bootstrap_servers), steps=args.steps,
-                     json_path=Path(args.json) if args.json else None, quiet=args.quiet)
+    try:
+        summary = resume(args.run_id, resolve_bootstrap(args.bootstrap_servers), steps=args.steps,
+                         json_path=Path(args.json) if args.json else None, quiet=args.quiet)
+    except RetentionGap as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     _print_summary(summary)
     return 0
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
-from dora_rl.infra.runs import finish_run, get_run, offsets_map, publish, start_run
+from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
 from .roles import prompts_needed, run_dir
@@ -157,6 +157,10 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
     info = get_run(bootstrap, run_id)
+    gaps = retention_gaps(bootstrap, info)
+    if gaps:
+        raise RetentionGap(f"run {run_id} cannot be resumed: retention deleted records it still needs "
+                           f"(nothing was started): " + "; ".join(gaps[:5]) + (" ..." if len(gaps) > 5 else ""))
     config = DoraConfig.from_json(info.config_json)
     if steps is not None and steps != config.steps:
         config = dataclasses.replace(config, steps=steps).validate()

@@ -72,8 +72,17 @@ def consumer_config(bootstrap: str, group_id: str, client_id: str, **extra: Any)
     return cfg
 
 
+class RecordTooLarge(ValueError):
+    """A record bigger than its topic accepts (``topics.max_record_bytes``): refused before sending."""
+
+    def __init__(self, topic: str, size: int, limit: int) -> None:
+        super().__init__(f"record of {size} bytes is over the {limit}-byte limit of {topic}")
+        self.topic, self.size, self.limit = topic, size, limit
+
+
 class RecordProducer:
-    """Produces typed records with version-carrying keys; raises on delivery failure at flush."""
+    """Produces typed records with version-carrying keys; raises on delivery failure at flush, and
+    :class:`RecordTooLarge` at once for a record its topic would refuse."""
 
     def __init__(self, bootstrap: str, client_id: str, **extra: Any) -> None:
         self._producer = Producer(producer_config(bootstrap, client_id, **extra))
@@ -96,6 +105,9 @@ class RecordProducer:
     def send_raw(self, topic: str, value: bytes | None, key: bytes | None,
                  headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> None:
         """Queue raw bytes (used for dead letters and tests of malformed input)."""
+        size = len(value or b"") + len(key or b"")
+        if size > (limit := topics.max_record_bytes(topic)):
+            raise RecordTooLarge(topic, size, limit)
         kwargs: dict[str, Any] = {"value": value, "key": key, "headers": headers or [],
                                   "on_delivery": self._on_delivery}
         if partition is not None:

@@ -97,3 +97,46 @@ def get_run(bootstrap: str, run_id: str | None = None) -> RunInfo:
 def offsets_map(info: RunInfo) -> dict[tuple[str, int], int]:
     """``{(topic, partition): offset}`` of a run's start."""
     return {(o.topic, o.partition): o.offset for o in info.start_offsets}
+
+
+class RetentionGap(RuntimeError):
+    """A run cannot be resumed: retention deleted records its roles still need."""
+
+
+def retention_gaps(bootstrap: str, info: RunInfo, timeout: float = 15.0) -> list[str]:
+    """Where retention deleted records that run ``info``'s roles would read on a resume.
+
+    For every partition of every topic a role reads, a role resumes from its group's committed offset,
+    or from the run's start offset where none of the run's groups (``dora.<run_id>.*``) committed one;
+    a gap is such an offset below the partition's first retained offset (its low watermark), so
+    records the run never processed are gone (a consumer would otherwise skip them silently).
+    """
+    from confluent_kafka import ConsumerGroupTopicPartitions
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    prefix = f"dora.{info.run_id}."
+    listed = admin.list_consumer_groups(request_timeout=timeout).result()
+    committed: dict[tuple[str, int], int] = {}
+    for g in (g.group_id for g in listed.valid if g.group_id.startswith(prefix)):
+        res = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(g)], request_timeout=timeout)
+        for tp in res[g].result().topic_partitions or []:
+            if tp.offset >= 0:
+                key = (tp.topic, tp.partition)
+                committed[key] = min(committed.get(key, tp.offset), tp.offset)
+    start = offsets_map(info)
+    read_by_roles = {s.name for s in topics.catalogue() if set(s.readers) & set(topics.ROLE_NAMES)}
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "dora-offsets", "enable.auto.commit": False})
+    gaps: list[str] = []
+    try:
+        for (topic, partition), begin in sorted(start.items()):
+            if topic not in read_by_roles:
+                continue
+            need = committed.get((topic, partition), begin)
+            low, _ = watermarks(consumer, TopicPartition(topic, partition), timeout)
+            if need < low:
+                gaps.append(f"{topic}[{partition}]: the run needs records from offset {need}, but retention "
+                            f"deleted everything below {low}")
+    finally:
+        consumer.close()
+    return gaps

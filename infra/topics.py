@@ -234,12 +234,12 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "consumption. Each batch commits in one transaction with the assembler's snapshot, so "
                         "there is exactly one committed batch per step."),
         TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason and the original bytes",
-                  writers=("orchestrator", "rollout", "scorer", "assembler", "trainer", "monitor", "run"),
+                  writers=("dataset", "orchestrator", "rollout", "scorer", "assembler", "trainer", "monitor", "run"),
                   readers=("orchestrator", "monitor", "audit", "replay"),
                   key="<refused record's key> or <topic>/<partition>/<offset>",
                   partitioning="single", retention_ms=30 * DAY_MS, max_message_bytes=BATCH_MAX_BYTES,
                   notes="Any consumer built on `RunConsumer` dead-letters what it cannot decode (so the "
-                        "monitor and `dora-rl run` may write here too); the dataset producer consumes nothing. "
+                        "monitor and `dora-rl run` may write here too); the dataset refuses an oversize prompt. "
                         "A letter naming a `group_id` refuses that whole GRPO group: the orchestrator withdraws "
                         "it and dispatches a replacement prompt."),
         TopicSpec(METRICS, 1, "dora.v1.Metric", "numeric monitoring events",
@@ -270,6 +270,22 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                   notes="Compacted by run id: the latest record of each run is kept. Every role, tool and "
                         "consumer group starts a run's topics at the end offsets recorded here."),
     )
+
+
+BROKER_DEFAULT_MAX_BYTES = 1024 * 1024
+"""Kafka's default ``message.max.bytes`` (1 MiB + 12 bytes of overhead, rounded down): the limit of a
+topic whose spec sets no ``max_message_bytes``."""
+
+
+def max_record_bytes(name: str) -> int:
+    """The largest record (key + value, before compression) that ``name`` accepts; producers check it
+    before sending (:class:`dora_rl.infra.kafka_io.RecordTooLarge`), so an oversize record is refused
+    with a reason instead of failing a whole flush or transaction."""
+    try:
+        limit = spec(name).max_message_bytes
+    except KeyError:
+        return BROKER_DEFAULT_MAX_BYTES
+    return limit if limit is not None else BROKER_DEFAULT_MAX_BYTES
 
 
 def spec(name: str, num_partitions: int = 4) -> TopicSpec:

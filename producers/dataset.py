@@ -8,6 +8,8 @@ Idempotent: the prompts written by one process commit in one Kafka transaction
 (``transactional.id = dora.<run>.dataset``, so a restarted producer fences its predecessor), hence the
 committed prompts of a run are always a prefix ``p0 .. p<k-1>``; a restarted (or resumed, with more
 steps) producer counts that prefix and writes only ``p<k> ..``. No prompt id is ever written twice.
+A prompt over the topic's record limit is refused to ``dora.dlq`` (``oversize``) in the same
+transaction and its index left out.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, now_ms, read_all
+from dora_rl.infra.kafka_io import RecordProducer, RecordTooLarge, now_ms, read_all
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import Prompt
+from dora_rl.schemas.records import DeadLetter, Prompt
 
 
 def generate_prompts(run_id: str, task_name: str, count: int, seed: int, tokenizer: object) -> Iterator[Prompt]:
@@ -65,7 +67,14 @@ def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, see
     for i, prompt in enumerate(generate_prompts(run_id, task_name, count, seed, tokenizer)):
         if i < have:
             continue  # drawn anyway: the stream stays deterministic in (task, seed)
-        producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id), partition=0)  # dataset order
+        try:
+            producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id), partition=0)  # dataset order
+        except RecordTooLarge as exc:  # refused with the reason, in the same transaction; never dispatched
+            letter = DeadLetter(component="dataset", reason=f"oversize prompt: {exc}", error_type="oversize",
+                                source_topic=topics.PROMPTS, source_partition=0, source_offset=-1, ts_ms=now_ms(),
+                                run_id=run_id, key=make_key(None, prompt.group_id).encode(), group_id=prompt.group_id)
+            producer.send(topics.DLQ, letter, make_key(None, prompt.group_id))
+            continue
         n += 1
     producer.raw.commit_transaction(120)
     return n

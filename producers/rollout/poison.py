@@ -84,14 +84,16 @@ class PoisonGuard:
             raise RuntimeError(f"{self.instance_id}: {self.failed_calls} engine calls in a row failed; "
                                f"the engine itself is broken") from error
 
-    def refuse(self, offset: int, req: RolloutRequest) -> None:
-        """Dead-letter ``req`` with its group (the orchestrator replaces the group)."""
+    def refuse(self, offset: int, req: RolloutRequest, reason: str | None = None, error_type: str = "engine") -> None:
+        """Dead-letter ``req`` with its group (the orchestrator replaces the group); ``reason`` defaults to
+        its failed tries."""
         t = self.attempts.of(req.trajectory_id)
-        cause = self.last_error.get(req.trajectory_id, "the process died during the call")
-        reason = (f"the engine failed on this request alone {t.alone_failed} times "
-                  f"({t.raised} calls raised, {t.died} died); last: {cause}")
+        if reason is None:
+            cause = self.last_error.get(req.trajectory_id, "the process died during the call")
+            reason = (f"the engine failed on this request alone {t.alone_failed} times "
+                      f"({t.raised} calls raised, {t.died} died); last: {cause}")
         value, _ = req.encode()
-        letter = DeadLetter(component=self.instance_id, reason=reason[:2000], error_type="engine",
+        letter = DeadLetter(component=self.instance_id, reason=reason[:2000], error_type=error_type,
                             source_topic=topics.REQUESTS, source_partition=int(self.instance_id.rsplit("-", 1)[1]),
                             source_offset=offset, ts_ms=now_ms(), run_id=self.run_id,
                             key=make_key(int(req.policy_version), req.group_id).encode(), value=value,

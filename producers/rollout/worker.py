@@ -41,7 +41,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import topics
 from dora_rl.infra.crashpoints import crash_point
-from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.keys import make_key, partition_for
 from dora_rl.infra.weight_sync import Fetcher
 from dora_rl.infra.weights.protocol import WeightFetchError
@@ -137,8 +137,14 @@ class Instance:
                 response_text=self.decode(list(res.token_ids)), finish_reason=FINISH[res.finish_reason],
                 instance_id=self.instance_id, instance_version=self.held, dispatched_ms=req.dispatched_ms,
                 first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000))
-            self.producer.send(topics.TRAJECTORIES, traj, make_key(int(req.policy_version), req.group_id),
-                               partition=self._partition(req.group_id))
+            try:
+                self.producer.send(topics.TRAJECTORIES, traj, make_key(int(req.policy_version), req.group_id),
+                                   partition=self._partition(req.group_id))
+            except RecordTooLarge as exc:  # generating it again would not make it smaller: refuse the group
+                if self.guard is not None:
+                    with self.lock:
+                        self.guard.refuse(self.pending[res.request_id][0], req, f"oversize trajectory: {exc}",
+                                          "oversize")
         with self.lock:
             self.pending.pop(res.request_id, None)
             self.running.discard(res.request_id)

@@ -120,3 +120,31 @@ def test_resume_after_the_launcher_itself_is_killed(bootstrap: str, dora_home: P
     assert json.loads(out.read_text())["steps"] == config["steps"]
     report = audit_run(bootstrap, rdir.name)
     assert report.ok, report.render()
+
+
+def test_resume_after_retention_deleted_what_the_run_needs_fails_with_that_reason(
+        bootstrap: str, dora_home: Path) -> None:
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.config import DoraConfig
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import RecordProducer
+    from dora_rl.infra.runs import retention_gaps, start_run
+
+    info = start_run(bootstrap, DoraConfig.from_dict({**CONFIG, "steps": 2}))
+    producer = RecordProducer(bootstrap, "retention-test")
+    for i in range(3):  # records of the run that nothing has consumed yet
+        producer.send_raw(topics.PROMPTS, b"prompt bytes", f"v-/{info.run_id}/p{i}".encode(), partition=0)
+    producer.flush()
+    assert retention_gaps(bootstrap, info) == [], "nothing deleted yet: the check must not fire"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    high = next(o.offset for o in info.start_offsets if (o.topic, o.partition) == (topics.PROMPTS, 0)) + 3
+    for fut in admin.delete_records([TopicPartition(topics.PROMPTS, 0, high)]).values():
+        fut.result()  # what retention does: the partition now starts after the run's prompts
+    res = subprocess.run([sys.executable, "-m", "dora_rl", "resume", info.run_id, "--bootstrap-servers", bootstrap],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert res.returncode == 3, res.stdout[-1000:] + res.stderr[-2000:]
+    assert f"run {info.run_id} cannot be resumed: retention deleted records" in res.stderr
+    assert f"{topics.PROMPTS}[0]: the run needs records from offset {high - 3}" in res.stderr
+    assert not (dora_home / "runs" / info.run_id / "pids.json").exists(), "nothing may start"
