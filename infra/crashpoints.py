@@ -8,8 +8,9 @@ fault injection) a crash point is one dictionary lookup.
 
 Points: ``trainer.after_update`` (weights updated, nothing announced), ``trainer.before_commit``
 (announcement produced in the open transaction, not committed), ``<processor>.before_commit``
-for ``orchestrator`` and ``assembler`` (a stream processor's outputs — for the assembler a batch —
-and its snapshot produced, the transaction not committed).
+for ``orchestrator``, ``assembler`` and ``scorer`` (a stream processor's outputs — for the assembler
+a batch — and its snapshot produced, the transaction not committed), ``rollout.in_flight`` (a rollout
+instance in the middle of a generation call, right after producing a token chunk).
 """
 
 from __future__ import annotations
