@@ -70,6 +70,7 @@ from typing import Any
 from chaos_zombies import role_pid, zombie_episode, zombie_line  # bench/ is on sys.path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+KILL_WAIT_S = 60.0  # a scheduled kill waits this long for its role to be running again (e.g. after a crash point)
 CRASH_POINTS = ("trainer.after_update", "trainer.before_commit", "orchestrator.before_commit",
                 "assembler.before_commit", "scorer.before_commit", "rollout.in_flight")
 
@@ -236,6 +237,7 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
     kills: list[dict[str, Any]] = []
     episodes: list[dict[str, Any]] = []
     not_reached: list[dict[str, Any]] = []
+    missed: list[dict[str, Any]] = []
     t_launch = time.time()
     try:
         for n, ev in enumerate(events):
@@ -254,13 +256,20 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
                 episodes.append(ep)
                 print(f"  {victim}: {zombie_line(ep)}", file=sys.stderr)
                 continue
-            pid = role_pid(rdir, victim)
-            t_kill = time.time()
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue  # it was restarting (a crash point fired just now)
-            kills.append({"role": victim, "pid": pid, "at_step": len(watch.steps), "t_kill": t_kill})
+            deadline = time.monotonic() + KILL_WAIT_S
+            while True:  # a role between death and restart (a crash point, the previous kill) is killed once back
+                pid = role_pid(rdir, victim)
+                t_kill = time.time()
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    kills.append({"role": victim, "pid": pid, "at_step": len(watch.steps), "t_kill": t_kill})
+                    break
+                except ProcessLookupError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        missed.append({**ev, "reason": f"no live {victim} process within {KILL_WAIT_S:.0f}s"})
+                        print(f"kill of {victim} at step {at} missed: not restarted in time", file=sys.stderr)
+                        break
+                    watch.poll(0.2)
         while proc.poll() is None:
             watch.poll()
         for _ in range(6):
@@ -274,7 +283,7 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
         k["recovery_s"] = round(min(later) - k["t_kill"], 3) if later else None
     summary = json.loads((home / "summary.json").read_text()) if (home / "summary.json").exists() else {}
     return {"exit_code": proc.returncode, "run_id": rdir.name, "kills": kills, "zombies": episodes,
-            "not_reached": not_reached, "summary": summary,
+            "not_reached": not_reached, "missed_kills": missed, "summary": summary,
             "crash_points_fired": sorted(p.name.removeprefix("crashed.") for p in home.glob("crashed.*")),
             "timeline": {"t_launch": round(t_launch, 3),
                          "step_times": [[s, round(t, 3)] for s, t in sorted(watch.step_times.items())]}}
