@@ -141,6 +141,12 @@ class DoraConfig:
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""
 
+    instance_timeout_s: float = 30.0
+    """``dora``/``partial`` mode: a rollout instance silent on ``dora.instances`` for this long (killed
+    for good, preempted, host lost, paused) is *lost*: its in-flight trajectories are generated again on
+    instances of the same version (C1), and it gets no new work until it is heard again. A restarted
+    instance is back well within it (its requests wait in its partition). See ``streams/membership.py``."""
+
     checkpoint_every: int = 10
     """Save a durable checkpoint every N versions (the last one is always saved)."""
 

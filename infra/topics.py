@@ -210,14 +210,15 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "`dora.rollout.trajectories`. Default topic of `dora-rl replay`."),
         TopicSpec(INSTANCES, 1, "dora.v1.InstanceStatus",
                   "rollout instance heartbeats: loaded version, state, in-flight, busy time",
-                  writers=("rollout",), readers=("run", "monitor", "audit", "bench"),
+                  writers=("rollout",), readers=("orchestrator", "run", "monitor", "audit", "bench"),
                   key="v<loaded_version:010d>/<instance_id>", partitioning="single",
                   retention_ms=day,
                   notes="The key holds version 0 before the first load. Not compacted, on purpose: the "
                         "heartbeat history is the per-instance timeline (versions held over time; busy time "
                         "read back by `bench/modes.py`); compaction would keep only the last heartbeat per "
-                        "(version, instance). The orchestrator does not read it: it tracks instances from its "
-                        "own dispatches and the completions."),
+                        "(version, instance). The orchestrator reads it in `dora`/`partial` mode for liveness only: an "
+                        "instance silent for `instance_timeout_s` is lost and its in-flight work generated "
+                        "again elsewhere; a new index joins (streams/membership.py)."),
         TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion",
                   "policy version announcements (weights move out of band), in one order",
                   writers=("trainer", "rollout"), readers=("orchestrator", "rollout", "trainer", "audit", "bench"),

@@ -24,6 +24,10 @@ Rules:
    instance; instances keep their version when possible. An instance that switches hands its
    in-flight trajectories over: they are cancelled there and re-dispatched, with their partial
    tokens, to an instance holding the *same* version (so the continuation is exact, C1).
+6. **Elastic instances.** Instances are the live members of :mod:`.membership`: a newcomer (or one
+   heard again) gets work at a re-partition made at once; one silent for ``instance_timeout_s`` is
+   lost: its in-flight trajectories are queued to be generated again, from scratch, on an instance of
+   the *same* version (C1), and it is left out of every rule until it is heard again.
 """
 
 from __future__ import annotations
@@ -35,8 +39,12 @@ from typing import Any, Generic, TypeVar
 
 from dora_rl.config import DoraConfig
 
+from .membership import Membership
 from .planning import Planner
 from .scheduling import Cancel, Dispatch, Migration
+
+LOST = -2
+"""``instance_version`` of an instance that stopped heartbeating (``streams/membership.py``)."""
 
 P = TypeVar("P")
 
@@ -60,7 +68,7 @@ class DoraState:
     dispatched: int = 0
     trajs: dict[str, TrajState] = field(default_factory=dict)
     instance_version: list[int] = field(default_factory=list)
-    migrating: dict[str, int] = field(default_factory=dict)  # tid -> version, awaiting its partial
+    migrating: dict[str, int] = field(default_factory=dict)  # tid -> instance cancelled on, awaiting its partial
 
 
 class DoraScheduler(Generic[P]):
@@ -84,6 +92,8 @@ class DoraScheduler(Generic[P]):
         self.refused_groups = 0
         self.repartition_s = config.repartition_s
         self._last_repartition = 0.0
+        self.members = Membership(config.num_instances, config.instance_timeout_s)
+        self.redispatched = 0
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -143,6 +153,33 @@ class DoraScheduler(Generic[P]):
         t.instance = -1
         self._resume.append((Migration(trajectory_id, t.version, partial), t.version))
 
+    def on_heartbeat(self, instance: int, now: float) -> None:
+        """Instance ``instance`` was heard at ``now`` (rule 6): a newcomer or a returning instance joins
+        at once (a re-partition gives it work)."""
+        joined = self.members.hear(instance, now)
+        iv = self.state.instance_version
+        iv.extend([-1] * (self.members.size() - len(iv)))
+        if joined:
+            iv[instance] = -1
+            if self.state.latest >= 0:
+                self.repartition()
+
+    def live_instances(self) -> list[int]:
+        """Instances that may be given work (rule 6)."""
+        return [i for i, v in enumerate(self.state.instance_version) if v != LOST]
+
+    def _lose(self, instance: int) -> None:
+        """Rule 6: ``instance`` stopped heartbeating; its in-flight work is queued to run again, from
+        scratch, on an instance of the same version."""
+        self.state.instance_version[instance] = LOST
+        for tid, t in self.state.trajs.items():
+            cancelled_on = self.state.migrating.get(tid)  # a cancel sent there: its partial will not come
+            if not t.done and (t.instance == instance or cancelled_on == instance):
+                self.state.migrating.pop(tid, None)
+                t.instance = -1
+                self._resume.append((Migration(tid, t.version, None), t.version))
+                self.redispatched += 1
+
     # -- rules ------------------------------------------------------------------------------------
 
     def unconsumed(self) -> int:
@@ -153,7 +190,7 @@ class DoraScheduler(Generic[P]):
         return sum(1 for t in self.state.trajs.values() if not t.done and (version is None or t.version == version))
 
     def load(self) -> list[int]:
-        counts = [0] * self.n
+        counts = [0] * len(self.state.instance_version)
         for t in self.state.trajs.values():
             if not t.done and t.instance >= 0:
                 counts[t.instance] += 1
@@ -187,26 +224,29 @@ class DoraScheduler(Generic[P]):
         needed = [v for v in sorted(pending) if pending[v] > 0]
         if not needed:
             return []
+        live = self.live_instances()
+        n = len(live)
         # at least one instance per version with in-flight work (oldest first), rest proportional
         quota = {v: 0 for v in needed}
-        for v in needed[: self.n]:
+        for v in needed[:n]:
             quota[v] = 1
-        spare = self.n - sum(quota.values())
+        spare = n - sum(quota.values())
         total = sum(pending[v] for v in needed)
         if spare > 0 and total > 0:
             exact = {v: spare * pending[v] / total for v in needed}
             for v in needed:
                 quota[v] += int(exact[v])
-            rest = self.n - sum(quota.values())
+            rest = n - sum(quota.values())
             for v in sorted(needed, key=lambda v: exact[v] - int(exact[v]), reverse=True)[:rest]:
                 quota[v] += 1
         current = self.state.instance_version
-        new = [-1] * self.n
-        for i, v in enumerate(current):  # keep instances on their version while its quota lasts
+        new = [v if v == LOST else -1 for v in current]
+        for i in live:  # keep instances on their version while its quota lasts
+            v = current[i]
             if v in quota and quota[v] > 0:
                 new[i] = v
                 quota[v] -= 1
-        free = [i for i in range(self.n) if new[i] < 0]
+        free = [i for i in live if new[i] < 0]
         for v in sorted(quota, reverse=True):  # newest first
             while quota[v] > 0 and free:
                 new[free.pop(0)] = v
@@ -214,14 +254,14 @@ class DoraScheduler(Generic[P]):
         for i in free:
             new[i] = latest
         cancels: list[Cancel] = []
-        for i in range(self.n):
+        for i in live:
             if current[i] >= 0 and new[i] != current[i]:
                 self.switches += 1
                 moving = tuple(tid for tid, t in self.state.trajs.items()
                                if t.instance == i and not t.done and t.version == current[i])
                 if moving:
                     for tid in moving:
-                        self.state.migrating[tid] = current[i]
+                        self.state.migrating[tid] = i
                         self.state.trajs[tid].instance = -1
                     cancels.append(Cancel(i, moving))
         self.state.instance_version = new
@@ -235,7 +275,7 @@ class DoraScheduler(Generic[P]):
         by_version: dict[int, list[int]] = {}
         for i, v in enumerate(self.state.instance_version):
             by_version.setdefault(v, []).append(i)
-        idle = [i for i in range(self.n) if load[i] == 0]
+        idle = [i for i in self.live_instances() if load[i] == 0]
         for v, insts in by_version.items():
             if self.in_flight(v) > self.capacity * len(insts) and any(self.state.instance_version[i] != v
                                                                       for i in idle):
@@ -243,8 +283,17 @@ class DoraScheduler(Generic[P]):
         return False
 
     def tick(self, now: float) -> None:
-        """Re-partition on a timer (every ``repartition_s``) or under load pressure; ``now`` is injected."""
+        """Lose silent instances (rule 6); re-partition on a timer (every ``repartition_s``), under load
+        pressure or after a loss; ``now`` is injected."""
+        lost = self.members.expire(now)
+        for i in lost:
+            if i < len(self.state.instance_version):
+                self._lose(i)
         if self.state.latest < 0:
+            return
+        if lost:
+            self._last_repartition = now
+            self.repartition()
             return
         if now - self._last_repartition >= self.repartition_s or self.pressure():
             self._last_repartition = now
@@ -321,7 +370,8 @@ class DoraScheduler(Generic[P]):
 
     def _least_loaded(self, version: int) -> int:
         load = self.load()
-        candidates = [i for i, v in enumerate(self.state.instance_version) if v == version] or list(range(self.n))
+        candidates = ([i for i, v in enumerate(self.state.instance_version) if v == version]
+                      or self.live_instances())
         return min(candidates, key=lambda i: (load[i], i))
 
     def done(self) -> bool:
@@ -358,9 +408,9 @@ class PartialScheduler(DoraScheduler[P]):
         for tid, t in self.state.trajs.items():  # placed ones only: queued resumes take the newest version
             if not t.done and t.instance >= 0 and t.version < latest:
                 cancels.setdefault(t.instance, []).append(tid)
-                self.state.migrating[tid] = t.version
+                self.state.migrating[tid] = t.instance
                 t.instance = -1
-        self.state.instance_version = [latest] * self.n
+        self.state.instance_version = [v if v == LOST else latest for v in self.state.instance_version]
         out = [Cancel(i, tuple(tids)) for i, tids in sorted(cancels.items())]
         self.cancels.extend(out)
         return out

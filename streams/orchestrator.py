@@ -35,6 +35,7 @@ from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import (
     BatchPlan,
     DeadLetter,
+    InstanceStatus,
     Metric,
     PolicyVersion,
     Prompt,
@@ -60,6 +61,7 @@ def input_types(config: DoraConfig) -> dict[str, type[Record]]:
                                       topics.DLQ: DeadLetter, topics.BATCHES: TrainBatch}
     if config.mode in ("dora", "partial"):
         types[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
+        types[topics.INSTANCES] = InstanceStatus  # heartbeats: which instances are alive
     return types
 
 
@@ -112,6 +114,8 @@ class Orchestrator:
                 self.segments.pop(t.trajectory_id, None)
                 self.prompts.pop(t.group_id, None)
                 self.prompt_ref.pop(t.group_id, None)
+        elif rec.topic == topics.INSTANCES:
+            self.rules.on_heartbeat(int(r.instance_index), ctx.now())
         elif rec.topic == topics.TOKENS and r.aborted:
             self.partial_ref[r.trajectory_id] = rec.ref
             self.rules.on_aborted(r.trajectory_id, r, int(r.instance_id.rsplit("-", 1)[-1]))
@@ -134,8 +138,15 @@ class Orchestrator:
             if not cancel.versions:
                 self._metric(ctx, "migrations_started", len(cancel.trajectory_ids))
         for mig, target in self.rules.resumes():
-            chunk: TokenChunk = mig.partial
             self.partial_ref.pop(mig.trajectory_id, None)
+            if mig.partial is None:  # its instance was lost: generated again from scratch, same version
+                req = self._request(self._prompt_of(mig.trajectory_id), mig.trajectory_id, mig.version, target, ctx)
+                ctx.emit(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
+                self.segments.pop(mig.trajectory_id, None)
+                self._metric(ctx, "redispatched", 1)
+                out += 1
+                continue
+            chunk: TokenChunk = mig.partial
             extra: dict[str, Any] = {}
             if self.config.mode == "partial":
                 tv = self.segments.setdefault(mig.trajectory_id, [])
@@ -191,7 +202,7 @@ class Orchestrator:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _dump(self, payload: Any) -> list[Any]:
+    def _dump(self, payload: Any) -> list[Any] | None:
         if isinstance(payload, Prompt):
             return self.prompt_ref[payload.group_id].to_list()
         if isinstance(payload, TokenChunk):

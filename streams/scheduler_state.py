@@ -49,7 +49,9 @@ def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:
             "trajs": {t: [x.version, x.instance, x.group_id, x.done] for t, x in st.trajs.items()},
             "instance_version": st.instance_version, "migrating": st.migrating,
             "planner": dump_planner(s.planner), "prompts": [[g, dump(p)] for g, p in s._prompts],
-            "resume": [[m.trajectory_id, m.version, dump(m.partial), v] for m, v in s._resume],
+            "resume": [[m.trajectory_id, m.version, None if m.partial is None else dump(m.partial), v]
+                       for m, v in s._resume],
+            "members": s.members.dump(), "redispatched": s.redispatched,
             "cancels": [[c.instance, list(c.trajectory_ids), list(c.versions)] for c in s.cancels],
             "repartitions": s.repartitions, "switches": s.switches, "last_repartition": s._last_repartition,
             "refused_groups": s.refused_groups,
@@ -75,7 +77,10 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         st.migrating = {t: int(v) for t, v in d["migrating"].items()}
         load_planner(s.planner, d["planner"])
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
-        s._resume = deque((Migration(t, int(v), load(partial)), int(rv)) for t, v, partial, rv in d["resume"])
+        s._resume = deque((Migration(t, int(v), None if partial is None else load(partial)), int(rv))
+                          for t, v, partial, rv in d["resume"])
+        s.members.load(d.get("members", {}))
+        s.redispatched = int(d.get("redispatched", 0))
         s.cancels = [Cancel(int(c[0]), tuple(c[1]), tuple(int(v) for v in (c[2] if len(c) > 2 else ())))
                      for c in d["cancels"]]
         s.repartitions, s.switches = int(d["repartitions"]), int(d["switches"])
@@ -99,4 +104,4 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
 
 def payloads(d: dict[str, Any]) -> list[Any]:
     """Every dumped payload in a snapshot (what ``load`` will be asked for), to fetch them at once."""
-    return [p for _, p in d["prompts"]] + [r[2] for r in d.get("resume", [])]
+    return [p for _, p in d["prompts"]] + [r[2] for r in d.get("resume", []) if r[2] is not None]

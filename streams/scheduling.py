@@ -112,6 +112,10 @@ class SchedulingRules(Protocol[P]):
         """An instance handed back a trajectory's partial response (after a cancel, or giving it up)."""
         ...
 
+    def on_heartbeat(self, instance: int, now: float) -> None:
+        """Rollout instance ``instance`` was heard at ``now`` (``dora.instances``): it is alive."""
+        ...
+
     def tick(self, now: float) -> None:
         """Time passed: timer- or load-driven decisions (their cancels come out of :meth:`take_cancels`)."""
         ...
@@ -266,6 +270,10 @@ class Scheduler(Generic[P]):
     def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
         """Waves never cancel or migrate: a trajectory an instance gives up (it is stopping) stays
         uncommitted on that instance's request partition and is generated again when it restarts."""
+
+    def on_heartbeat(self, instance: int, now: float) -> None:
+        """Waves are not elastic: the configured instances serve every wave (a lost one's requests wait
+        in its partition until it is back)."""
 
     def tick(self, now: float) -> None:
         """Waves are driven by versions only."""

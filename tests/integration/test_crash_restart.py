@@ -12,11 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from run_helpers import steps_done as _steps_done
+from run_helpers import wait_for as _wait
 
 pytestmark = pytest.mark.broker
 
@@ -27,29 +28,6 @@ CONFIG: dict[str, Any] = {
     "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.03, "cap_fraction": 0.1},
 }
 VICTIMS = ("orchestrator", "trainer", "assembler", "scorer-0", "rollout-1")
-
-
-def _steps_done(bootstrap: str, run_id: str) -> int:
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
-    from dora_rl.schemas.records import Metric
-
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
-    steps = set()
-    for msg in read_all(bootstrap, topics.METRICS, start):
-        m = Metric.decode(msg.value(), msg.headers())
-        if m.run_id == run_id and m.component == "trainer" and m.name == "reward_mean" and m.step is not None:
-            steps.add(int(m.step))
-    return len(steps)
-
-
-def _wait(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def test_every_role_killed_once_and_the_run_completes(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:

@@ -96,8 +96,9 @@ def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_t
     versions = sched.state.instance_version
     assert 0 in versions and 1 in versions  # version 0 keeps an instance for its stragglers
     moved = [tid for c in sched.cancels for tid in c.trajectory_ids]
+    cancelled_on = {tid: c.instance for c in sched.cancels for tid in c.trajectory_ids}
     for tid in moved:  # in-flight work of a switching instance goes back to the same version
-        assert sched.state.migrating[tid] == 0
+        assert sched.state.migrating[tid] == cancelled_on[tid] and sched.state.trajs[tid].version == 0
         sched.on_aborted(tid, object(), None)
     placed = sched.resumes()
     assert placed and len(placed) + len(sched._resume) == len(moved)  # the rest waits for free slots

@@ -30,7 +30,12 @@ def _cfg(mode: str, s: int) -> DoraConfig:
     tbs, g = 8, 4
     return DoraConfig.from_dict({"mode": mode, "max_staleness": s, "steps": 5, "train_batch_size": tbs,
                                  "group_size": g, "rollout_batch_size": tbs * (s + 1), "num_instances": 2,
-                                 "instance_concurrency": 6, "engine": "emulated", "repartition_s": 3.0})
+                                 "instance_concurrency": 6, "engine": "emulated", "repartition_s": 3.0,
+                                 "instance_timeout_s": 5.0})
+
+
+ELASTIC = ("dora", "partial")  # modes whose instances come and go: instance 1 is lost, instance 2 joins
+LOST_AT, JOIN_AT = 6.0, 12.0
 
 
 def _prompt(i: int) -> Prompt:
@@ -58,14 +63,26 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
     for i in range(n_prompts):
         push(0.0, topics.PROMPTS, _prompt(i))
     push(0.0, topics.VERSIONS, SimpleNamespace(version=0))
+    elastic = config.mode in ELASTIC
+    for i in range(3):
+        push(0.0, "beat", i)
     running: dict[str, tuple[float, str]] = {}  # tid -> (finish time, token marker)
+    where: dict[str, int] = {}  # tid -> instance it was sent to
     while events:
         t, _, topic, rec = heapq.heappop(events)
         now[0] = t
-        if topic == "finish":  # an instance finished (unless the request was cancelled meanwhile)
+        if topic == "beat":  # heartbeats every 2 s; instance 1 vanishes at LOST_AT, instance 2 joins at JOIN_AT
+            i = rec
+            push(t + 2.0, "beat", i)
+            if (elastic and ((i == 1 and t >= LOST_AT) or (i == 2 and t < JOIN_AT))) or (not elastic and i == 2):
+                continue
+            topic, rec = topics.INSTANCES, SimpleNamespace(instance_index=i)
+        elif topic == "finish":  # an instance finished (unless the request was cancelled meanwhile)
             tid, marker = rec
             if running.get(tid, (0, ""))[1] != marker:
                 continue
+            if elastic and where[tid] == 1 and t >= LOST_AT:
+                continue  # its host is gone: this never finishes
             del running[tid]
             topic, rec = topics.TRAJECTORIES, SimpleNamespace(trajectory_id=tid)
             push(t + 0.2, "score", tid)
@@ -82,6 +99,8 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
         orch.punctuate(t, ctx)
         for o in ctx.take():
             if o.topic == topics.REQUESTS and o.record.action == "GENERATE":
+                assert not (elastic and o.partition == 1 and t >= LOST_AT + 5.0), "work sent to a lost instance"
+                where[o.record.trajectory_id] = o.partition
                 marker = f"{o.record.trajectory_id}@{t}"
                 running[o.record.trajectory_id] = (t, marker)
                 push(t + rng.choice([0.5, 1.0, 1.5, 6.0]), "finish", (o.record.trajectory_id, marker))
@@ -104,6 +123,8 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
             break
     assert orch.done(), "the recorded world must complete the run"
     assert any(r.topic == topics.DLQ for r in log), "the poison trajectory was never generated"
+    if elastic:
+        assert any(v == 2 for v in where.values()), "the newcomer got no work"
     return log, times
 
 
@@ -123,6 +144,7 @@ def test_crash_at_every_record_boundary_gives_the_uninterrupted_output(mode: str
     assert any(o.topic == topics.SCHEDULE for o in clean)
     if mode in ("dora", "partial"):
         assert any(o.topic == topics.REQUESTS and o.record.action == "CANCEL" for o in clean), "no migration"
+        assert any(o.topic == topics.METRICS and o.record.name == "redispatched" for o in clean), "no re-dispatch"
     for k in range(1, len(inputs)):
         driver = MemoryDriver(factory, inputs, times, commit_every=3)
         crashed = driver.run(crash_after=[k])

@@ -1,0 +1,69 @@
+"""Which rollout instances are alive, from their heartbeats: a pure rule with the clock injected.
+
+An instance is *heard* each time one of its heartbeats (``dora.instances``) is processed, at the
+processor's clock ``now``, not the record's timestamp: hosts' clocks may disagree, the processor's
+clock is one. Rules:
+
+1. **Join.** An instance heard for the first time (a configured one, or a newcomer with a new index)
+   or heard again after it was lost is *live*; :meth:`Membership.hear` says so (the scheduler gives it
+   work at the next re-partition).
+2. **Loss.** A live instance heard before and silent for longer than ``timeout_s`` is *lost*
+   (:meth:`Membership.expire`, once per loss); its in-flight work is generated again elsewhere.
+3. **Never heard.** A configured instance not yet heard counts as live (it may still be loading its
+   model; its requests wait in its partition) but can only be lost after it was heard once — a role
+   that never starts is the supervisor's business, not the scheduler's.
+
+Invariant: ``live() ∩ lost == ∅`` and every index ever heard is in exactly one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Membership:
+    """Live and lost rollout instances (see the module docstring)."""
+
+    configured: int
+    timeout_s: float
+    last_heard: dict[int, float] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+
+    def hear(self, index: int, now: float) -> bool:
+        """A heartbeat of ``index`` at ``now``; True when it joins (first heard beyond the configured
+        ones, or heard again after being lost)."""
+        joined = index in self.lost or (index >= self.configured and index not in self.last_heard)
+        self.lost.discard(index)
+        self.last_heard[index] = max(now, self.last_heard.get(index, now))
+        return joined
+
+    def expire(self, now: float) -> list[int]:
+        """Instances lost at ``now`` (each reported once per loss), ascending."""
+        gone = sorted(i for i, t in self.last_heard.items()
+                      if i not in self.lost and now - t > self.timeout_s)
+        self.lost.update(gone)
+        return gone
+
+    def live(self) -> list[int]:
+        """Every instance that may be given work: configured or heard, and not lost, ascending."""
+        known = set(range(self.configured)) | set(self.last_heard)
+        return sorted(known - self.lost)
+
+    def size(self) -> int:
+        """One more than the highest index ever known (the scheduler's per-instance arrays)."""
+        return max([self.configured - 1, *self.last_heard]) + 1
+
+    def dump(self) -> dict[str, object]:
+        return {"heard": {str(i): t for i, t in self.last_heard.items()}, "lost": sorted(self.lost)}
+
+    def load(self, d: dict[str, object]) -> None:
+        """Restore :meth:`dump` (the timers keep their wall-clock times, so a restored orchestrator decides
+        exactly what the uninterrupted one would have; after a long downtime its backlog of heartbeats,
+        processed before the first :meth:`expire`, refreshes every instance that is still there)."""
+        heard = d.get("heard", {})
+        assert isinstance(heard, dict)
+        self.last_heard = {int(i): float(t) for i, t in heard.items()}
+        lost = d.get("lost", [])
+        assert isinstance(lost, list)
+        self.lost = {int(i) for i in lost}

@@ -1,0 +1,107 @@
+"""Elastic rollout (real broker, dora mode): an instance with work in flight vanishes for good mid-run and a
+newcomer with a new index joins later; the lost work is generated again, the newcomer produces
+trajectories, and the strict audit passes with nothing missing.
+
+"Vanishes" is SIGSTOP: the process neither heartbeats nor dies, as a host lost behind a partition
+(a SIGKILLed one would be restarted by the supervisor and come back).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from run_helpers import steps_done as _steps_done
+from run_helpers import wait_for as _wait
+
+pytestmark = pytest.mark.broker
+
+CONFIG: dict[str, Any] = {
+    "mode": "dora", "max_staleness": 1, "steps": 10, "train_batch_size": 16, "group_size": 4,
+    "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 16, "max_new_tokens": 96,
+    "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 9, "instance_timeout_s": 6.0,
+    "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.03, "cap_fraction": 0.1},
+}
+
+
+def _trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import Trajectory
+
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.TRAJECTORIES}
+    out: dict[str, int] = {}
+    for msg in read_all(bootstrap, topics.TRAJECTORIES, start):
+        t = Trajectory.decode(msg.value(), msg.headers())
+        if t.run_id == run_id:
+            out[t.instance_id] = out.get(t.instance_id, 0) + 1
+    return out
+
+
+def _metric_total(bootstrap: str, run_id: str, component: str, name: str) -> float:
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import Metric
+
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
+    total = 0.0
+    for msg in read_all(bootstrap, topics.METRICS, start):
+        m = Metric.decode(msg.value(), msg.headers())
+        if m.run_id == run_id and m.component == component and m.name == name:
+            total += m.value
+    return total
+
+
+def test_a_lost_instance_is_replaced_by_a_newcomer_and_nothing_is_lost(
+        bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
+    from dora_rl.consumers.audit import audit_run
+
+    cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
+    cfg.write_text(json.dumps(CONFIG))
+    runs = dora_home / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
+    launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
+                                 "--config", str(cfg), "--json", str(out), "--quiet"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=dict(os.environ))
+    newcomer: subprocess.Popen[bytes] | None = None
+    lost_pid = 0
+    try:
+        _wait(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
+                                            if d.name not in known), 120, "the roles")
+        rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+        run_id = rdir.name
+        _wait(lambda: _steps_done(bootstrap, run_id) >= 2, 180, "two steps")
+        lost_pid = json.loads((rdir / "pids.json").read_text())["rollout-1"]
+        os.kill(lost_pid, signal.SIGSTOP)  # its host is gone: no heartbeat, no exit, its work in flight
+        time.sleep(CONFIG["instance_timeout_s"] + 2)
+        env = dict(os.environ, DORA_WEIGHT_TOKEN=(rdir / "weight-token").read_text().strip())
+        newcomer = subprocess.Popen([sys.executable, "-m", "dora_rl", "rollout", "--bootstrap-servers", bootstrap,
+                                     "--run-id", run_id, "--index", "2"], stdout=(tmp_path / "rollout-2.log").open("w"),
+                                    stderr=subprocess.STDOUT, env=env)
+        code = launcher.wait(timeout=600)
+        log = launcher.stdout.read().decode() if launcher.stdout else ""
+        assert code == 0, log[-3000:]
+    finally:
+        for p in (launcher, newcomer):
+            if p is not None and p.poll() is None:
+                p.kill()
+        if lost_pid:
+            try:
+                os.kill(lost_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert json.loads(out.read_text())["steps"] == CONFIG["steps"]
+    assert _metric_total(bootstrap, run_id, "orchestrator", "redispatched") > 0, "the lost work was not re-dispatched"
+    assert _trajectories_by_instance(bootstrap, run_id).get("rollout-2", 0) > 0, "the newcomer produced nothing"
+    report = audit_run(bootstrap, run_id)
+    assert report.verdict == "PASS", report.render()
+    assert report.c2_missing == 0
