@@ -32,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from .membership import Membership
 from .planning import Planner
 from .scheduling import Cancel, Dispatch, Migration
 
+log = logging.getLogger(__name__)
 LOST = -2
 """``instance_version`` of an instance that stopped heartbeating (``streams/membership.py``)."""
 
@@ -160,6 +162,7 @@ class DoraScheduler(Generic[P]):
         iv = self.state.instance_version
         iv.extend([-1] * (self.members.size() - len(iv)))
         if joined:
+            log.warning("rollout-%d joined (heard at %.1f): it gets work at this re-partition", instance, now)
             iv[instance] = -1
             if self.state.latest >= 0:
                 self.repartition()
@@ -172,6 +175,7 @@ class DoraScheduler(Generic[P]):
         """Rule 6: ``instance`` stopped heartbeating; its in-flight work is queued to run again, from
         scratch, on an instance of the same version."""
         self.state.instance_version[instance] = LOST
+        before = self.redispatched
         for tid, t in self.state.trajs.items():
             cancelled_on = self.state.migrating.get(tid)  # a cancel sent there: its partial will not come
             if not t.done and (t.instance == instance or cancelled_on == instance):
@@ -179,6 +183,8 @@ class DoraScheduler(Generic[P]):
                 t.instance = -1
                 self._resume.append((Migration(tid, t.version, None), t.version))
                 self.redispatched += 1
+        log.warning("rollout-%d lost (silent for over %.0fs): %d in-flight trajectories to generate again",
+                    instance, self.members.timeout_s, self.redispatched - before)
 
     # -- rules ------------------------------------------------------------------------------------
 
