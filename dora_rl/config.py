@@ -53,6 +53,11 @@ class DoraConfig:
     num_instances: int = 1
     """Rollout instances (processes), each holding exactly one policy version at a time."""
 
+    max_instances: int = 16
+    """Rollout instance indices that may ever serve this run (the configured ones and any that join
+    later, ``streams/membership.py``): the request topic gets at least this many partitions (instance
+    ``i`` reads partition ``i``; ``dora-rl run`` grows the topic when it has fewer)."""
+
     instance_concurrency: int = 1024
     """Maximum trajectories one instance decodes at once (its batch capacity)."""
 
@@ -168,8 +173,9 @@ class DoraConfig:
         StalenessBound(self.max_staleness)  # raises on a negative bound
         if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1 or self.max_attempts < 1:
             raise ValueError("steps, num_instances, instance_concurrency and max_attempts must be >= 1")
-        if self.num_instances > self.num_partitions:
-            raise ValueError("num_instances must be <= num_partitions (one request partition each)")
+        if self.num_instances > self.max_instances:
+            raise ValueError(f"num_instances ({self.num_instances}) must be <= max_instances ({self.max_instances}): "
+                             "instance i reads partition i of the request topic")
         if self.weight_transport not in ("ucx", "tcp", "file"):
             raise ValueError(f"weight_transport must be ucx, tcp or file, got {self.weight_transport!r}")
         if self.mode == "sync" and self.max_staleness != 0:

@@ -63,9 +63,9 @@ def ensure_broker(bootstrap: str | None) -> str:
     return broker.bootstrap_servers
 
 
-def prepare_topics(bootstrap: str, num_partitions: int) -> dict[str, str]:
-    """Create the catalogue's topics (idempotent)."""
-    return topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), num_partitions)
+def prepare_topics(bootstrap: str, num_partitions: int, instances: int = topics.MAX_INSTANCES) -> dict[str, str]:
+    """Create the catalogue's topics, the request topic with ``instances`` partitions (idempotent)."""
+    return topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), num_partitions, instances=instances)
 
 
 @dataclass
@@ -140,7 +140,7 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
     """Record a new run and run it to the end; returns (and optionally writes) the summary."""
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
-    prepare_topics(bootstrap, config.num_partitions)
+    prepare_topics(bootstrap, config.num_partitions, config.max_instances)
     info = start_run(bootstrap, config, run_id)
     rdir = run_dir(info.run_id)
     (rdir / "config.json").write_text(config.to_json())

@@ -10,7 +10,8 @@ Invariants (checked when a spec is built):
 
 - every writer and reader names an :class:`Actor` of :data:`ACTORS` (a role or a tool);
 - the partition count follows the rule: ``group_id`` topics have ``num_partitions``, the request
-  topic has :data:`MAX_INSTANCES` (partition = instance index), ``single`` topics have one;
+  topic has one partition per instance index that may serve (``max_instances``, at least
+  :data:`MAX_INSTANCES`; partition = instance index), ``single`` topics have one;
 - a compacted topic declares no time retention (the latest record per key is kept);
 - ``configs`` (what :func:`ensure_topics` applies) is derived from the typed fields, never stated apart.
 
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 DAY_MS = 24 * 3600 * 1000
 MIB = 1024 * 1024
@@ -139,7 +140,7 @@ class TopicSpec:
         unknown = [a for a in self.writers + self.readers if a not in ACTORS]
         if unknown or not self.writers:
             raise ValueError(f"{self.name}: writers must be non-empty and name known actors, unknown: {unknown}")
-        want = {"instance": MAX_INSTANCES, "single": 1}.get(self.partitioning, self.partitions)
+        want = {"instance": max(MAX_INSTANCES, self.partitions), "single": 1}.get(self.partitioning, self.partitions)
         if self.partitions < 1 or self.partitions != want:
             raise ValueError(f"{self.name}: {self.partitions} partitions contradict partitioning "
                              f"{self.partitioning!r}")
@@ -171,8 +172,10 @@ class TopicSpec:
 
 
 
-def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
-    """Every topic of the system. ``num_partitions`` spreads the ``group_id``-partitioned topics."""
+def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[TopicSpec, ...]:
+    """Every topic of the system. ``num_partitions`` spreads the ``group_id``-partitioned topics;
+    ``instances`` (a run's ``max_instances``) sizes the request topic: one partition per rollout
+    instance index that may ever serve, at least :data:`MAX_INSTANCES`."""
     week, day = 7 * DAY_MS, DAY_MS
     group = "v<policy_version:010d>/<group_id>"
     return (
@@ -183,7 +186,7 @@ def catalogue(num_partitions: int = 4) -> tuple[TopicSpec, ...]:
                         "orchestrator sees (and dispatches, FIFO) the prompts in dataset order p0, p1, ...: "
                         "a run's prompt-to-step assignment is reproducible (docs/decisions/0016). Clusters "
                         "created before this hold more partitions; only partition 0 is written."),
-        TopicSpec(REQUESTS, MAX_INSTANCES, "dora.v1.RolloutRequest",
+        TopicSpec(REQUESTS, max(MAX_INSTANCES, instances), "dora.v1.RolloutRequest",
                   "version-tagged GENERATE / CANCEL requests, one partition per rollout instance",
                   writers=("orchestrator",), readers=("rollout", "orchestrator", "audit", "replay"),
                   key=group, partitioning="instance", retention_ms=week,
@@ -289,29 +292,39 @@ def max_record_bytes(name: str) -> int:
     return limit if limit is not None else BROKER_DEFAULT_MAX_BYTES
 
 
-def spec(name: str, num_partitions: int = 4) -> TopicSpec:
+def spec(name: str, num_partitions: int = 4, instances: int = MAX_INSTANCES) -> TopicSpec:
     """The catalogue entry of topic ``name``."""
-    for s in catalogue(num_partitions):
+    for s in catalogue(num_partitions, instances):
         if s.name == name:
             return s
     raise KeyError(f"unknown topic {name!r}")
 
 
-def ensure_topics(admin: AdminClient, num_partitions: int = 4, timeout: float = 30.0) -> dict[str, str]:
-    """Create every missing topic; returns ``{topic: 'created' | 'exists'}``.
+def ensure_topics(admin: AdminClient, num_partitions: int = 4, timeout: float = 30.0,
+                  instances: int = MAX_INSTANCES) -> dict[str, str]:
+    """Create every missing topic; returns ``{topic: 'created' | 'exists' | 'grown'}``.
 
-    Raises RuntimeError if a topic exists with fewer partitions than the catalogue needs, or if
-    creation fails for another reason than 'already exists'.
+    The request topic (partition = instance index) is grown to ``instances`` partitions when it has
+    fewer: no key maps to its partitions, so adding some moves nothing. Raises RuntimeError if another
+    topic exists with fewer partitions than the catalogue needs (growing a key-partitioned topic would
+    move keys), or if creation fails for another reason than 'already exists'.
     """
     metadata = admin.list_topics(timeout=timeout)
     brokers = max(1, len(metadata.brokers))
     rf = min(3, brokers)
     result: dict[str, str] = {}
     to_create: list[NewTopic] = []
-    for s in catalogue(num_partitions):
+    for s in catalogue(num_partitions, instances):
         existing = metadata.topics.get(s.name)
         if existing is not None and existing.error is None:
             have = len(existing.partitions)
+            if have < s.partitions and s.partitioning == "instance":
+                for fut in admin.create_partitions([NewPartitions(s.name, s.partitions)],
+                                                   request_timeout=timeout).values():
+                    fut.result(timeout=timeout)
+                wait_for_leaders(admin, [s.name], timeout)
+                result[s.name] = "grown"
+                continue
             if have < s.partitions:
                 raise RuntimeError(f"topic {s.name} has {have} partitions, the catalogue needs {s.partitions}")
             result[s.name] = "exists"

@@ -26,6 +26,10 @@ class RequestReader:
         self.run_id = run_id
         self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.rollout-{index}",
                                                  f"rollout-{index}-{run_id}"))
+        have = len(self.consumer.list_topics(topics.REQUESTS, timeout=30).topics[topics.REQUESTS].partitions)
+        if index >= have:
+            raise ValueError(f"rollout-{index} has no request partition: {topics.REQUESTS} has {have}; an instance "
+                             f"index must be below the run's max_instances (the request topic's partitions)")
         committed = self.consumer.committed([self.tp], timeout=30)[0].offset
         self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start
         self.consumer.assign([self.tp])

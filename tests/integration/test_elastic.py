@@ -105,3 +105,34 @@ def test_a_lost_instance_is_replaced_by_a_newcomer_and_nothing_is_lost(
     report = audit_run(bootstrap, run_id)
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0
+
+
+def test_24_instances_each_serving_at_least_two_versions(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
+    """More instances than the request topic's 16 default partitions: the run grows the topic to
+    ``max_instances``; every instance holds two or more versions over the run, and the audit passes."""
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import InstanceStatus
+
+    config = {**CONFIG, "num_instances": 24, "max_instances": 24, "steps": 6, "train_batch_size": 48,
+              "group_size": 4, "rollout_batch_size": 96, "instance_concurrency": 8, "seed": 10,
+              "max_staleness": 2}
+    cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
+    cfg.write_text(json.dumps(config))
+    res = subprocess.run([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config",
+                          str(cfg), "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    run_id = json.loads(out.read_text())["run_id"]
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.INSTANCES}
+    held: dict[str, set[int]] = {}
+    for msg in read_all(bootstrap, topics.INSTANCES, start):
+        st = InstanceStatus.decode(msg.value(), msg.headers())
+        if st.run_id == run_id and st.loaded_version >= 0:
+            held.setdefault(st.instance_id, set()).add(int(st.loaded_version))
+    assert len(held) == 24, sorted(held)
+    assert all(len(v) >= 2 for v in held.values()), {i: sorted(v) for i, v in held.items() if len(v) < 2}
+    report = audit_run(bootstrap, run_id)
+    assert report.verdict == "PASS", report.render()

@@ -97,6 +97,8 @@ def test_catalogue_is_complete_and_consistent() -> None:
     assert topics.spec(topics.INSTANCES).cleanup == "delete"  # its history is kept (not compacted)
     assert topics.spec(topics.RUNS).configs == {"cleanup.policy": "compact", "max.message.bytes": str(8 << 20)}
     assert topics.spec(topics.REQUESTS, 8).partitions == topics.MAX_INSTANCES
+    assert topics.spec(topics.REQUESTS, 8, instances=24).partitions == 24  # sized from a run's max_instances
+    assert topics.spec(topics.REQUESTS, 8, instances=4).partitions == topics.MAX_INSTANCES
     assert topics.spec(topics.SCORED, 8).partitions == 8
     with pytest.raises(ValueError):
         topics.TopicSpec("dora.x", 2, "dora.v1.Metric", "x", writers=("trainer",), readers=(),
