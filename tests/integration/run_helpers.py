@@ -27,3 +27,13 @@ def wait_for(cond: Any, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.5)
+
+
+def emulated_run(**overrides: Any) -> dict[str, Any]:
+    """A small dora-mode run config on the emulated engine (2 instances, TBS 16, G 4), with overrides;
+    ``emulated`` overrides are merged into the engine's parameters."""
+    engine = {"vocab": 59, "eos_id": 2, "base_step_s": 0.03, "cap_fraction": 0.1, **overrides.pop("emulated", {})}
+    return {"mode": "dora", "max_staleness": 1, "steps": 8, "train_batch_size": 16, "group_size": 4,
+            "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 16, "max_new_tokens": 96,
+            "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 0, **overrides,
+            "emulated": engine}

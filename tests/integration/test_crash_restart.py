@@ -13,20 +13,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from run_helpers import emulated_run
 from run_helpers import steps_done as _steps_done
 from run_helpers import wait_for as _wait
 
 pytestmark = pytest.mark.broker
 
-CONFIG: dict[str, Any] = {
-    "mode": "dora", "max_staleness": 1, "steps": 16, "train_batch_size": 16, "group_size": 4,
-    "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 32, "max_new_tokens": 96,
-    "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 5,
-    "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.03, "cap_fraction": 0.1},
-}
+CONFIG = emulated_run(steps=16, instance_concurrency=32, seed=5)
 VICTIMS = ("orchestrator", "trainer", "assembler", "scorer-0", "rollout-1")
 
 

@@ -15,20 +15,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from run_helpers import emulated_run
 from run_helpers import steps_done as _steps_done
 from run_helpers import wait_for as _wait
 
 pytestmark = pytest.mark.broker
 
-CONFIG: dict[str, Any] = {
-    "mode": "dora", "max_staleness": 1, "steps": 10, "train_batch_size": 16, "group_size": 4,
-    "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 16, "max_new_tokens": 96,
-    "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 9, "instance_timeout_s": 6.0,
-    "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.03, "cap_fraction": 0.1},
-}
+CONFIG = emulated_run(steps=10, seed=9, instance_timeout_s=6.0)
 
 
 def _trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:

@@ -17,15 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_helpers import emulated_run
 
 pytestmark = pytest.mark.broker
 
-CONFIG: dict[str, Any] = {
-    "mode": "dora", "max_staleness": 1, "steps": 8, "train_batch_size": 16, "group_size": 4,
-    "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 16, "max_new_tokens": 64,
-    "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 7, "max_attempts": 2,
-    "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.02, "cap_fraction": 0.1},
-}
+CONFIG = emulated_run(steps=8, max_new_tokens=64, seed=7, max_attempts=2, emulated={"base_step_s": 0.02})
 
 REWARD_MODULE = '''
 import os, time
