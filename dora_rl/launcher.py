@@ -157,6 +157,7 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
     info = get_run(bootstrap, run_id)
+    kill_orphans(run_dir(info.run_id))  # first: they would go on changing the offsets checked below
     gaps = retention_gaps(bootstrap, info)
     if gaps:
         raise RetentionGap(f"run {run_id} cannot be resumed: retention deleted records it still needs "
@@ -166,7 +167,6 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
         config = dataclasses.replace(config, steps=steps).validate()
         info = info.replace(config_json=config.to_json(), state="STARTED")
         publish(bootstrap, info)
-    kill_orphans(run_dir(info.run_id))
     return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
 
 
