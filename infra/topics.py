@@ -23,6 +23,7 @@ catalogue's is reported, never silently accepted). Replication factor is ``min(3
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -281,10 +282,12 @@ BROKER_DEFAULT_MAX_BYTES = 1024 * 1024
 topic whose spec sets no ``max_message_bytes``."""
 
 
+@functools.cache
 def max_record_bytes(name: str) -> int:
     """The largest record (key + value, before compression) that ``name`` accepts; producers check it
     before sending (:class:`dora_rl.infra.kafka_io.RecordTooLarge`), so an oversize record is refused
-    with a reason instead of failing a whole flush or transaction."""
+    with a reason instead of failing a whole flush or transaction. Cached: it is asked on every send,
+    and the catalogue is fixed."""
     try:
         limit = spec(name).max_message_bytes
     except KeyError:

@@ -60,7 +60,7 @@ class Instance:
     """State and Kafka outputs of one rollout instance (callbacks run in the generation thread)."""
 
     def __init__(self, run_id: str, index: int, config: DoraConfig, producer: RecordProducer,
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[[list[int]], str], guard: PoisonGuard) -> None:
         self.run_id, self.index, self.config = run_id, index, config
         self.instance_id = f"rollout-{index}"
         self.producer = producer
@@ -70,7 +70,7 @@ class Instance:
         self.running: set[str] = set()
         self.call_ids: set[str] = set()  # every request of the engine call running now (joins included)
         self.alone = False  # the running call holds one suspect alone: nothing joins it
-        self.guard: PoisonGuard | None = None
+        self.guard = guard
         self.chunk_pos: dict[str, int] = {}
         self.held = -1
         self.tokens = 0
@@ -141,16 +141,13 @@ class Instance:
                 self.producer.send(topics.TRAJECTORIES, traj, make_key(int(req.policy_version), req.group_id),
                                    partition=self._partition(req.group_id))
             except RecordTooLarge as exc:  # generating it again would not make it smaller: refuse the group
-                if self.guard is not None:
-                    with self.lock:
-                        self.guard.refuse(self.pending[res.request_id][0], req, f"oversize trajectory: {exc}",
-                                          "oversize")
+                with self.lock:
+                    self.guard.refuse(self.pending[res.request_id][0], req, f"oversize trajectory: {exc}", "oversize")
         with self.lock:
             self.pending.pop(res.request_id, None)
             self.running.discard(res.request_id)
             self.chunk_pos.pop(res.request_id, None)
-            if self.guard is not None:
-                self.guard.finished(res.request_id)
+            self.guard.finished(res.request_id)
 
 
 class InstanceHolder:
@@ -193,8 +190,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     inst_dlq = DeadLetters(producer, f"rollout-{index}", run_id)
     metrics = Metrics(producer, run_id, f"rollout-{index}")
     eng: Engine = engine if engine is not None else make_engine(config, index)
-    inst = Instance(run_id, index, config, producer, eng.decode)
-    guard = inst.guard = PoisonGuard(bootstrap, run_id, inst.instance_id, producer, config.max_attempts)
+    guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts)
+    inst = Instance(run_id, index, config, producer, eng.decode, guard)
     fetcher = Fetcher(config.weight_transport, token) if eng.fetches_weights else None
     holder = (InstanceHolder(config.weight_transport, run_id, token)
               if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
@@ -230,9 +227,9 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         """The requests that start now (the instance rule and the poison rule), marked running and their
         tries made durable; refused ones are dead-lettered."""
         with inst.lock:
-            queued = [(o, r) for o, r in sorted(inst.pending.values(), key=lambda x: x[0])
+            queued = [r for _, r in sorted(inst.pending.values(), key=lambda x: x[0])
                       if r.trajectory_id not in inst.running]
-            refuse, alone, ok = guard.split([r for _, r in queued])
+            refuse, alone, ok = guard.split(queued)
             for r in refuse:
                 offset = inst.pending.pop(r.trajectory_id)[0]
                 guard.refuse(offset, r)
@@ -244,7 +241,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             else:
                 batch = startable(inst.held, ok, lambda r: int(r.policy_version), len(inst.running),
                                   config.instance_concurrency)
-                inst.alone = inst.alone and not new_call
+                inst.alone = False
             if new_call:
                 inst.call_ids = set()
             inst.call_ids.update(r.trajectory_id for r in batch)
