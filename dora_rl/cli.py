@@ -1,10 +1,12 @@
 """``dora-rl``: one console command, a subcommand per role and per tool.
 
     dora-rl run [--steps N] [--mode M] [--config F] [--json OUT]   the whole loop (embedded broker by default)
+    dora-rl create [--config F] [--run-id ID]                       record a run; roles join it from any host
     dora-rl resume RUN_ID [--steps N]                               continue a run whose launcher died
     dora-rl broker start|stop|status [--cluster]                   the embedded Kafka broker
     dora-rl topics create|list|doc [--check]                        the topic catalogue (doc: generated docs)
-    dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index)
+    dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index [auto],
+                                                                    --bind-host, --advertised-host)
     dora-rl runs                                                    runs recorded on the cluster
     dora-rl monitor [--run ID] [--follow]                           live view of a run's metrics
     dora-rl replay [--run ID] [--topic T] [--version V] [--out F]   recorded rollouts as JSON lines
@@ -130,9 +132,30 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
 
 def cmd_role(args: argparse.Namespace) -> int:
+    import os
+
+    from dora_rl.infra.endpoints import ADVERTISED_ENV, BIND_ENV
     from dora_rl.roles import start_role
 
-    start_role(args.command, _bootstrap(args), args.run_id, args.index)
+    if args.bind_host:  # the process's endpoints (infra/endpoints.py) come from its environment
+        os.environ[BIND_ENV] = args.bind_host
+    if args.advertised_host:
+        os.environ[ADVERTISED_ENV] = args.advertised_host
+    index: int | str = args.index if args.index == "auto" else int(args.index)
+    start_role(args.command, _bootstrap(args), args.run_id, index, instance_name=args.instance_name)
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    from dora_rl.launcher import create
+
+    config = DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
+                             weight_transport=args.weight_transport, num_instances=args.instances)
+    info, token_file = create(config, _bootstrap(args), run_id=args.run_id)
+    print(info.run_id)
+    print(f"run {info.run_id} recorded (no role started); weight-channel token in {token_file} (copy it to every "
+          f"host as DORA_WEIGHT_TOKEN_FILE); start each role with: dora-rl <role> --run-id {info.run_id}",
+          file=sys.stderr)
     return 0
 
 
@@ -194,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("create", parents=[common], help="record a run without starting roles (multi-host)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--instances", type=int, default=None)
+    p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
+    p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
+    p.add_argument("--run-id", default=None, help="the run's id (default: a new one)")
+    p.set_defaults(func=cmd_create)
+
     p = sub.add_parser("resume", parents=[common], help="continue a run whose launcher died (roles restore from Kafka)")
     p.add_argument("run_id")
     p.add_argument("--steps", type=int, default=None, help="continue to this many steps (default: the run's)")
@@ -215,7 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ROLES:
         p = sub.add_parser(role, parents=[common], help=f"run the {role} role of a run")
         p.add_argument("--run-id", default=None, help="run to join (default: the latest)")
-        p.add_argument("--index", type=int, default=0, help="instance index (rollout, scorer)")
+        p.add_argument("--index", default="0",
+                       help="instance index (rollout, scorer); rollout: 'auto' claims a free one (multi-host)")
+        p.add_argument("--instance-name", default=None,
+                       help="with --index auto: a stable name gets its index back on restart (default: a new one)")
+        p.add_argument("--bind-host", default=None, help="address the weight holders bind (env DORA_BIND_HOST)")
+        p.add_argument("--advertised-host", default=None,
+                       help="address announced to peers (env DORA_ADVERTISED_HOST; default: the bind host)")
         p.set_defaults(func=cmd_role)
 
     p = sub.add_parser("runs", parents=[common], help="list runs")

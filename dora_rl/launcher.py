@@ -140,11 +140,29 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
     """Record a new run and run it to the end; returns (and optionally writes) the summary."""
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
+    info, _ = create(config, bootstrap, run_id)
+    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+
+
+def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tuple[RunInfo, Path]:
+    """Record a run without starting any role (``dora-rl create``): the topics, the run on ``dora.runs``
+    (config and start offsets: what every role on any host joins from), and the weight-channel token
+    in ``<run dir>/weight-token`` (mode 0600; never on a topic). Returns the run and the token file."""
     prepare_topics(bootstrap, config.num_partitions, config.max_instances)
     info = start_run(bootstrap, config, run_id)
     rdir = run_dir(info.run_id)
     (rdir / "config.json").write_text(config.to_json())
-    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+    return info, weight_token_file(rdir)
+
+
+def weight_token_file(rdir: Path) -> Path:
+    """``<rdir>/weight-token``, created once (from ``DORA_WEIGHT_TOKEN`` or random), mode 0600: the same
+    token across a resume, so restarted holders keep serving their peers."""
+    token_file = rdir / "weight-token"
+    if not token_file.exists():
+        token_file.touch(mode=0o600)
+        token_file.write_text(os.environ.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16))
+    return token_file
 
 
 def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, json_path: Path | None = None,
@@ -196,11 +214,8 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     logs = rdir / "logs"
     logs.mkdir(exist_ok=True)
     env = dict(os.environ)
-    token_file = rdir / "weight-token"
-    if not token_file.exists():  # the same token across a resume: restarted holders keep serving peers
-        token_file.write_text(env.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16))
-        token_file.chmod(0o600)
-    env["DORA_WEIGHT_TOKEN"] = token_file.read_text().strip()
+    env.pop("DORA_WEIGHT_TOKEN", None)
+    env["DORA_WEIGHT_TOKEN_FILE"] = str(weight_token_file(rdir))  # a file, never a secret in the environment
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     print(f"run {info.run_id}: mode={config.mode} steps={config.steps} bootstrap={bootstrap} logs={logs}",

@@ -1,8 +1,11 @@
 """Entry points of the roles, each startable alone against a broker: ``dora-rl <role> --run-id ID``.
 
 A role needs only the bootstrap servers and the run id: the run's config and start offsets come
-from its record on ``dora.runs``, so roles can be started on other machines. The weight channel's
-shared token comes from ``DORA_WEIGHT_TOKEN`` (set by ``dora-rl run`` for the roles it launches).
+from its record on ``dora.runs``, so roles can be started on other machines, in any order (each waits
+for what it reads). The weight channel's shared token comes from ``DORA_WEIGHT_TOKEN_FILE`` (written by
+``dora-rl create`` / ``run``) or ``DORA_WEIGHT_TOKEN``. Lifecycle without a launcher: the trainer records
+the run ``FINISHED`` when it reaches the run's steps; ``FAILED`` is recorded by whoever supervises the
+roles (``dora-rl run``'s launcher, or an operator with ``dora-rl resume``).
 """
 
 from __future__ import annotations
@@ -42,13 +45,37 @@ def _stop_flag() -> threading.Event:
     return event
 
 
-def start_role(role: str, bootstrap: str, run_id: str | None, index: int = 0) -> None:
-    """Run one role of run ``run_id`` (latest run if None) until it finishes or is signalled."""
+def weight_token() -> str:
+    """The run's weight-channel token: ``DORA_WEIGHT_TOKEN_FILE`` (a file written by ``dora-rl create`` /
+    ``run``, copied to each host) or ``DORA_WEIGHT_TOKEN``; empty when neither is set."""
+    path = os.environ.get("DORA_WEIGHT_TOKEN_FILE")
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise FileNotFoundError(f"DORA_WEIGHT_TOKEN_FILE={path}: cannot read the weight token ({exc})") from exc
+    return os.environ.get("DORA_WEIGHT_TOKEN", "")
+
+
+def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str = 0,
+               instance_name: str | None = None) -> None:
+    """Run one role of run ``run_id`` (latest run if None) until it finishes or is signalled.
+
+    A rollout instance with ``index="auto"`` claims a free index (:mod:`dora_rl.core.instance_ids`);
+    ``instance_name`` (stable across restarts) gets the same index back."""
     info = get_run(bootstrap, run_id)
     config = DoraConfig.from_json(info.config_json)
     start = offsets_map(info)
-    token = os.environ.get("DORA_WEIGHT_TOKEN", "")
+    token = weight_token()
     stop = _stop_flag()
+    if index == "auto":
+        if role != "rollout":
+            raise ValueError(f"--index auto is for rollout instances, not {role}")
+        from dora_rl.producers.rollout.identity import claim_index, default_name
+
+        index = claim_index(bootstrap, info.run_id, config.max_instances, start, instance_name or default_name(),
+                            config.instance_concurrency)
+    index = int(index)
     log.info("starting %s for run %s (mode %s)", role, info.run_id, config.mode)
     if role == "trainer":
         from dora_rl.consumers.trainer.role import run_trainer

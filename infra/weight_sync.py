@@ -6,6 +6,8 @@ Both are thin: the weight channel (:mod:`dora_rl.infra.weights`) does the work, 
 every transport ``weight_transport`` names (``ucx``, ``tcp`` or ``file``): buckets with a checksum
 each, pulled from the least-loaded holder, refused and re-fetched on corruption. A ``file`` holder
 publishes into ``run_dir / "weights"`` (on a shared file system when instances run elsewhere).
+Holders bind and announce the addresses of :class:`~dora_rl.infra.endpoints.Endpoints` (from the
+process's environment), and UCX uses the interface that holds the announced address.
 
 Invariants: the announcement carries the served manifest as is (``WeightManifest.announce``) and the
 fetcher rebuilds it from the announcement (``WeightManifest.from_announcement``), so what a fetcher
@@ -21,6 +23,7 @@ import torch
 
 from dora_rl.schemas.records import PolicyVersion
 
+from .endpoints import Endpoints
 from .weights.channel import make_weight_client, make_weight_server
 from .weights.fetcher import FetchStats
 from .weights.manifest import WeightManifest
@@ -29,7 +32,8 @@ from .weights.manifest import WeightManifest
 class Publisher:
     """Serves the versions of one run over ``transport`` (``ucx`` | ``tcp`` | ``file``)."""
 
-    def __init__(self, transport: str, run_id: str, run_dir: Path, token: str, keep: int = 3) -> None:
+    def __init__(self, transport: str, run_id: str, run_dir: Path, token: str, keep: int = 3,
+                 endpoints: Endpoints | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.transport = transport
@@ -37,7 +41,9 @@ class Publisher:
         self.dir = run_dir / "weights"
         self.keep = keep
         self._served: list[int] = []
-        self._server = make_weight_server(transport, token, directory=self.dir)
+        ep = endpoints or Endpoints.from_env()
+        self._server = make_weight_server(transport, token, ep.bind_host, directory=self.dir,
+                                          advertised_host=ep.advertised, **ep.weight_transport_options(transport))
 
     @property
     def endpoint(self) -> str:
@@ -68,9 +74,10 @@ class Publisher:
 class Fetcher:
     """Loads announced versions (instance side)."""
 
-    def __init__(self, transport: str, token: str) -> None:
+    def __init__(self, transport: str, token: str, endpoints: Endpoints | None = None) -> None:
         self.transport = transport
-        self._client = make_weight_client(transport, token)
+        ep = endpoints or Endpoints.from_env()
+        self._client = make_weight_client(transport, token, **ep.weight_transport_options(transport))
 
     def fetch_into(self, ann: PolicyVersion, model: torch.nn.Module,
                    extra_holders: list[str] | None = None) -> FetchStats:

@@ -215,6 +215,7 @@ class InstanceStatus(Record):
     generated_tokens: int = 0
     busy_s: float = 0.0
     ts_ms: int = 0
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

@@ -155,11 +155,19 @@ class DoraScheduler(Generic[P]):
         t.instance = -1
         self._resume.append((Migration(trajectory_id, t.version, partial), t.version))
 
-    def on_heartbeat(self, instance: int, now: float) -> None:
+    def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
         """Instance ``instance`` was heard at ``now`` (rule 6): a newcomer or a returning instance joins
-        at once (a re-partition gives it work)."""
-        joined = self.members.hear(instance, now)
+        at once (a re-partition gives it work); a leaving one is lost at once (its work moves now)."""
         iv = self.state.instance_version
+        if leaving:
+            if self.members.leave(instance, now):
+                iv.extend([-1] * (self.members.size() - len(iv)))
+                log.warning("rollout-%d left (graceful stop)", instance)
+                self._lose(instance)
+                if self.state.latest >= 0:
+                    self.repartition()
+            return
+        joined = self.members.hear(instance, now)
         iv.extend([-1] * (self.members.size() - len(iv)))
         if joined:
             log.warning("rollout-%d joined (heard at %.1f): it gets work at this re-partition", instance, now)
@@ -183,7 +191,7 @@ class DoraScheduler(Generic[P]):
                 t.instance = -1
                 self._resume.append((Migration(tid, t.version, None), t.version))
                 self.redispatched += 1
-        log.warning("rollout-%d lost (silent for over %.0fs): %d in-flight trajectories to generate again",
+        log.warning("rollout-%d lost (left, or silent for over %.0fs): %d in-flight trajectories to generate again",
                     instance, self.members.timeout_s, self.redispatched - before)
 
     # -- rules ------------------------------------------------------------------------------------

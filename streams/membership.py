@@ -9,7 +9,9 @@ clock is one. Rules:
    work at the next re-partition).
 2. **Loss.** A live instance heard before and silent for longer than ``timeout_s`` is *lost*
    (:meth:`Membership.expire`, once per loss); its in-flight work is generated again elsewhere.
-3. **Never heard.** A configured instance not yet heard counts as live (it may still be loading its
+3. **Leave.** An instance that says it is leaving (a ``STOPPED`` heartbeat: SIGTERM, scale-in) is lost at
+   once (:meth:`Membership.leave`), without waiting for the timeout; it rejoins by rule 1 if heard again.
+4. **Never heard.** A configured instance not yet heard counts as live (it may still be loading its
    model; its requests wait in its partition) but can only be lost after it was heard once — a role
    that never starts is the supervisor's business, not the scheduler's.
 
@@ -37,6 +39,13 @@ class Membership:
         self.lost.discard(index)
         self.last_heard[index] = max(now, self.last_heard.get(index, now))
         return joined
+
+    def leave(self, index: int, now: float) -> bool:
+        """``index`` left gracefully at ``now`` (rule 3); True if it was not lost already."""
+        self.last_heard[index] = max(now, self.last_heard.get(index, now))
+        was_lost = index in self.lost
+        self.lost.add(index)
+        return not was_lost
 
     def expire(self, now: float) -> list[int]:
         """Instances lost at ``now`` (each reported once per loss), ascending."""

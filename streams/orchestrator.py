@@ -115,7 +115,7 @@ class Orchestrator:
                 self.prompts.pop(t.group_id, None)
                 self.prompt_ref.pop(t.group_id, None)
         elif rec.topic == topics.INSTANCES:
-            self.rules.on_heartbeat(int(r.instance_index), ctx.now())
+            self.rules.on_heartbeat(int(r.instance_index), ctx.now(), leaving=r.state == "STOPPED")
         elif rec.topic == topics.TOKENS and r.aborted:
             self.partial_ref[r.trajectory_id] = rec.ref
             self.rules.on_aborted(r.trajectory_id, r, int(r.instance_id.rsplit("-", 1)[-1]))

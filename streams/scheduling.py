@@ -112,8 +112,9 @@ class SchedulingRules(Protocol[P]):
         """An instance handed back a trajectory's partial response (after a cancel, or giving it up)."""
         ...
 
-    def on_heartbeat(self, instance: int, now: float) -> None:
-        """Rollout instance ``instance`` was heard at ``now`` (``dora.instances``): it is alive."""
+    def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
+        """Rollout instance ``instance`` was heard at ``now`` (``dora.instances``): it is alive, or, with
+        ``leaving`` (its ``STOPPED`` heartbeat), it is gone for now and its work must move."""
         ...
 
     def tick(self, now: float) -> None:
@@ -271,7 +272,7 @@ class Scheduler(Generic[P]):
         """Waves never cancel or migrate: a trajectory an instance gives up (it is stopping) stays
         uncommitted on that instance's request partition and is generated again when it restarts."""
 
-    def on_heartbeat(self, instance: int, now: float) -> None:
+    def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
         """Waves are not elastic: the configured instances serve every wave (a lost one's requests wait
         in its partition until it is back)."""
 

@@ -23,6 +23,7 @@ Crash safety (docs/decisions/0015):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -215,9 +216,22 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 wait_started = time.perf_counter()
         with transaction():
             metrics.emit("done", step)
+        if step >= config.steps:
+            record_finished(bootstrap, run_id, step)
     finally:
         consumer.close()
         publisher.close()
+
+
+def record_finished(bootstrap: str, run_id: str, step: int) -> None:
+    """The run reached its steps: record it ``FINISHED`` (a run without a launcher has no one else to; a
+    launcher, which stops the trainer before it records its own summary, overwrites this one)."""
+    from dora_rl.infra.runs import finish_run, get_run
+
+    info = get_run(bootstrap, run_id)
+    if info.state == "STARTED":
+        finish_run(bootstrap, info, json.dumps({"steps": step, "recorded_by": COMPONENT}))
+        log.info("run %s recorded FINISHED at step %d", run_id, step)
 
 
 def restore(announced: dict[int, PolicyVersion], model: torch.nn.Module, optimizer: torch.optim.Optimizer,

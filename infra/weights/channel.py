@@ -65,10 +65,12 @@ def make_weight_server(
     recycle: bool = False,
     faults: FaultInjection | None = None,
     directory: str | os.PathLike[str] | None = None,
+    advertised_host: str | None = None,
     **transport_options: Any,
 ) -> WeightServer:
     """A holder over transport ``kind`` (never a silent fallback): on ``host:port`` for ``"ucx"`` and
-    ``"tcp"``; publishing into ``directory`` for ``"file"`` (required there, ignored by the others)."""
+    ``"tcp"``, announced as ``advertised_host:port`` when given; publishing into ``directory`` for
+    ``"file"`` (required there, ignored by the others)."""
     return WeightServer(
         _make_transport(kind, directory, **transport_options),
         token,
@@ -77,6 +79,7 @@ def make_weight_server(
         bucket_bytes=bucket_bytes,
         recycle=recycle,
         faults=faults,
+        advertised_host=advertised_host,
     )
 
 

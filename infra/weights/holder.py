@@ -40,6 +40,7 @@ class WeightServer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         recycle: bool = False,
         faults: FaultInjection | None = None,
+        advertised_host: str | None = None,
     ) -> None:
         self.kind = transport.kind
         self._transport = transport
@@ -54,6 +55,12 @@ class WeightServer:
         self.refusals = 0
         self._listener = transport.listen(host, port, self._session)
         self.address: str = self._listener.address
+        # what fetchers connect to: the bound host:port, with advertised_host (if given) in place of the
+        # bound host (infra/endpoints.py: a bound 0.0.0.0 is never announced)
+        if advertised_host and self.kind != "file":
+            _, port_text = self.address.rsplit(":", 1)
+            host_text = f"[{advertised_host}]" if ":" in advertised_host else advertised_host
+            self.address = f"{host_text}:{port_text}"
 
     # lifecycle ---------------------------------------------------------------------------------
     def serve(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:

@@ -158,10 +158,13 @@ class InstanceHolder:
     """
 
     def __init__(self, transport: str, run_id: str, token: str) -> None:
+        from dora_rl.infra.endpoints import Endpoints
         from dora_rl.infra.weights.channel import make_weight_server
 
         self.run_id, self.transport = run_id, transport
-        self._server = make_weight_server(transport, token, recycle=True)
+        ep = Endpoints.from_env()
+        self._server = make_weight_server(transport, token, ep.bind_host, recycle=True, advertised_host=ep.advertised,
+                                          **ep.weight_transport_options(transport))
         self.endpoint = str(self._server.address)
 
     def hold(self, version: int, weights: dict[str, Any], previous: int) -> PolicyVersion:
@@ -173,6 +176,21 @@ class InstanceHolder:
 
     def close(self) -> None:
         self._server.close()
+
+
+def hand_back(inst: Instance, reader: RequestReader) -> None:
+    """Graceful leave: every request taken but not started goes back as its (possibly empty) partial, to
+    be resumed on an instance of its version; the partition is committed to its end, so an instance
+    that takes this index later does not run again what the orchestrator moves elsewhere."""
+    with inst.lock:
+        queued = [r for rid, (_, r) in sorted(inst.pending.items()) if rid not in inst.running]
+        for r in queued:
+            inst.pending.pop(r.trajectory_id)
+    for r in queued:
+        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs])
+    _, high = reader.consumer.get_watermark_offsets(reader.tp, timeout=10)
+    reader.commit_before(high)
+    log.info("leaving: %d queued requests handed back, request partition committed to %d", len(queued), high)
 
 
 def _gen_request(r: RolloutRequest) -> GenRequest:
@@ -339,11 +357,14 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     gen_thread.start()
             inst.heartbeat()
     finally:
+        leaving = stop()  # a graceful stop (SIGTERM), not a crash: hand the work back before exiting
         if gen_thread is not None and gen_thread.is_alive():
-            eng.abort(None)
+            eng.abort(None)  # running requests come back as aborted partials (resumed elsewhere, C1)
             gen_thread.join(10)
-        inst.state = "STOPPED"
-        inst.heartbeat(force=True)
+        if leaving:
+            hand_back(inst, reader)
+            inst.state = "STOPPED"  # the orchestrator moves whatever is still placed here at once
+            inst.heartbeat(force=True)
         producer.flush()
         reader.consumer.close()
         versions.close()

@@ -49,3 +49,32 @@ def test_a_lost_instance_work_is_generated_again_on_the_same_version_and_a_newco
     assert s.live_instances() == [0, 2] and s.state.instance_version[2] == 0, "it gets a version at once"
     more = [d for d in s.dispatch() if d.instance == 2]
     assert more or not s._prompts, "the newcomer gets new work while prompts remain"
+
+
+def test_a_graceful_leave_moves_the_work_at_once_and_the_index_can_come_back() -> None:
+    s: DoraScheduler[str] = DoraScheduler(_cfg())
+    for i in range(4):
+        s.add_prompt(f"g{i}", f"prompt {i}")
+    s.on_heartbeat(0, 0.0)
+    s.on_heartbeat(1, 0.0)
+    s.on_version(0, 0.0)
+    on_1 = {d.trajectory_id for d in s.dispatch() if d.instance == 1}
+    assert on_1
+    s.on_heartbeat(1, 1.0, leaving=True)  # SIGTERM: no waiting for the 10 s timeout
+    assert s.state.instance_version[1] == LOST and s.redispatched == len(on_1)
+    assert {m.trajectory_id for m, _ in s.resumes()} == on_1
+    s.on_heartbeat(1, 1.5, leaving=True)
+    assert s.redispatched == len(on_1), "a repeated STOPPED moves nothing twice"
+    s.on_heartbeat(0, 29.0)
+    s.tick(30.0)
+    assert s.redispatched == len(on_1), "a left instance is not lost a second time by the timer"
+    s.on_heartbeat(1, 31.0)
+    assert 1 in s.live_instances(), "heard again (restarted): it rejoins"
+
+
+def test_membership_leave_is_immediate_and_reported_once() -> None:
+    m = Membership(configured=2, timeout_s=10.0)
+    m.hear(0, 0.0)
+    assert m.leave(0, 1.0) is True and m.leave(0, 2.0) is False
+    assert m.live() == [1] and m.expire(100.0) == [], "left: never expired again"
+    assert m.hear(0, 101.0) is True and m.live() == [0, 1]

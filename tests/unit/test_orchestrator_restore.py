@@ -76,7 +76,7 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
             push(t + 2.0, "beat", i)
             if (elastic and ((i == 1 and t >= LOST_AT) or (i == 2 and t < JOIN_AT))) or (not elastic and i == 2):
                 continue
-            topic, rec = topics.INSTANCES, SimpleNamespace(instance_index=i)
+            topic, rec = topics.INSTANCES, SimpleNamespace(instance_index=i, state="IDLE")
         elif topic == "finish":  # an instance finished (unless the request was cancelled meanwhile)
             tid, marker = rec
             if running.get(tid, (0, ""))[1] != marker:
