@@ -37,3 +37,33 @@ def emulated_run(**overrides: Any) -> dict[str, Any]:
             "rollout_batch_size": 32, "num_instances": 2, "instance_concurrency": 16, "max_new_tokens": 96,
             "engine": "emulated", "sft_steps": 0, "weight_transport": "tcp", "seed": 0, **overrides,
             "emulated": engine}
+
+
+def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import Trajectory
+
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.TRAJECTORIES}
+    out: dict[str, int] = {}
+    for msg in read_all(bootstrap, topics.TRAJECTORIES, start):
+        t = Trajectory.decode(msg.value(), msg.headers())
+        if t.run_id == run_id:
+            out[t.instance_id] = out.get(t.instance_id, 0) + 1
+    return out
+
+
+def metric_total(bootstrap: str, run_id: str, component: str, name: str) -> float:
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import Metric
+
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
+    total = 0.0
+    for msg in read_all(bootstrap, topics.METRICS, start):
+        m = Metric.decode(msg.value(), msg.headers())
+        if m.run_id == run_id and m.component == component and m.name == name:
+            total += m.value
+    return total

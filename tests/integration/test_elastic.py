@@ -18,42 +18,14 @@ from pathlib import Path
 
 import pytest
 from run_helpers import emulated_run
+from run_helpers import metric_total as _metric_total
 from run_helpers import steps_done as _steps_done
+from run_helpers import trajectories_by_instance as _trajectories_by_instance
 from run_helpers import wait_for as _wait
 
 pytestmark = pytest.mark.broker
 
 CONFIG = emulated_run(steps=10, seed=9, instance_timeout_s=6.0)
-
-
-def _trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
-    from dora_rl.schemas.records import Trajectory
-
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.TRAJECTORIES}
-    out: dict[str, int] = {}
-    for msg in read_all(bootstrap, topics.TRAJECTORIES, start):
-        t = Trajectory.decode(msg.value(), msg.headers())
-        if t.run_id == run_id:
-            out[t.instance_id] = out.get(t.instance_id, 0) + 1
-    return out
-
-
-def _metric_total(bootstrap: str, run_id: str, component: str, name: str) -> float:
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
-    from dora_rl.schemas.records import Metric
-
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
-    total = 0.0
-    for msg in read_all(bootstrap, topics.METRICS, start):
-        m = Metric.decode(msg.value(), msg.headers())
-        if m.run_id == run_id and m.component == component and m.name == name:
-            total += m.value
-    return total
 
 
 def test_a_lost_instance_is_replaced_by_a_newcomer_and_nothing_is_lost(

@@ -14,8 +14,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from multihost import (STREAM_ROLES, claimed_indices, create_run, local_spawn, role_argv, run_state, stop)
-from run_helpers import emulated_run, steps_done, wait_for
+from multihost import STREAM_ROLES, claimed_indices, create_run, local_spawn, role_argv, run_state, stop
+from run_helpers import emulated_run, metric_total, steps_done, trajectories_by_instance, wait_for
 
 pytestmark = pytest.mark.broker
 
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.broker
 def test_roles_started_alone_in_any_order_with_auto_indices_a_graceful_leave_and_a_newcomer(
         bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.consumers.audit import audit_run
-    from test_elastic import _metric_total, _trajectories_by_instance
 
     config = emulated_run(steps=10, seed=12, instance_timeout_s=60.0)
     cfg = tmp_path / "config.json"
@@ -57,8 +56,8 @@ def test_roles_started_alone_in_any_order_with_auto_indices_a_graceful_leave_and
     orch_log = (logs / "orchestrator.log").read_text()
     assert "rollout-1 left (graceful stop)" in orch_log, orch_log[-3000:]
     assert "handed back" in (logs / f"{leaver}.log").read_text()
-    assert _metric_total(bootstrap, run_id, "orchestrator", "redispatched") > 0
-    assert _trajectories_by_instance(bootstrap, run_id).get("rollout-2", 0) > 0, "the newcomer produced nothing"
+    assert metric_total(bootstrap, run_id, "orchestrator", "redispatched") > 0
+    assert trajectories_by_instance(bootstrap, run_id).get("rollout-2", 0) > 0, "the newcomer produced nothing"
     report = audit_run(bootstrap, run_id)
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0 and steps_done(bootstrap, run_id) == config["steps"]
