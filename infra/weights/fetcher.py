@@ -43,6 +43,8 @@ class FetchStats:
     refused: tuple[str, ...]
     refetched_buckets: int
     verify_cpu_seconds: float = 0.0
+    routes: tuple[str, ...] = ()
+    """How the bytes moved from each holder used (``BulkConn.route``), in the order of ``holders``."""
 
     @property
     def gbps(self) -> float:
@@ -106,6 +108,7 @@ class WeightClient:
         self._token = check_token(token)
         self.last_stats: FetchStats | None = None
         self._contacted: set[str] = set()
+        self._routes: dict[str, str] = {}
 
     def status(self, holder: str) -> dict[str, Any]:
         """A holder's ``{"active_transfers": int, "versions": [int]}``."""
@@ -207,6 +210,7 @@ class WeightClient:
             refused=tuple(notes),
             refetched_buckets=refetched,
             verify_cpu_seconds=sum(cpu),
+            routes=tuple(self._routes.get(h, "") for h in used),
         )
         self.last_stats = stats
         if on_stats is not None:
@@ -241,6 +245,7 @@ class WeightClient:
                 )
             if reply.get("buckets") != buckets:
                 raise HolderRefused("answered with other buckets than asked for; refused")
+            self._routes[holder] = conn.route()
             segs = request_segments(manifest, buckets)
             verifier = _Verifier(plan, segs, done, bad)
             conn.send_msg({"go": True})

@@ -151,6 +151,9 @@ class BulkConn(Protocol):
     def recv_segments(self, dests: Sequence[np.ndarray], on_done: Callable[[int], None]) -> None:
         """Fetcher side: receive segment ``i`` into ``dests[i]``, in order; ``on_done(i)`` after each."""
 
+    def route(self) -> str:
+        """How the bulk bytes of this connection move (after the reply), recorded with each fetch."""
+
     def abort(self) -> None:
         """Drop the connection at once (a holder dying mid-stream, in tests)."""
 

@@ -47,6 +47,14 @@ class TcpConn:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(io_timeout)
 
+    def route(self) -> str:
+        """``tcp <local> -> <peer>`` (the addresses the kernel chose: which interface carried it)."""
+        try:
+            host, port = self.sock.getsockname()[:2]
+        except OSError:
+            return f"tcp -> {self.peer}"
+        return f"tcp {host}:{port} -> {self.peer}"
+
     def send_msg(self, msg: Mapping[str, Any]) -> None:
         send_control(self.sock, msg)
 

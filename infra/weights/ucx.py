@@ -153,6 +153,12 @@ class UcxConn:
         self._tag_base = 0
         self._pending_msg: dict[str, Any] | None = None
 
+    def route(self) -> str:
+        """``ucx/<profile> TLS=.. NET_DEVICES=.. RNDV_SCHEME=..``: the UCX configuration the bytes moved
+        under (the profile is the holder's choice: ``net`` unless both ends share a host id)."""
+        cfg = self.transport.options.config(self.profile)
+        return f"ucx/{self.profile} " + " ".join(f"{k}={cfg[k]}" for k in ("TLS", "NET_DEVICES", "RNDV_SCHEME"))
+
     def send_msg(self, msg: Mapping[str, Any]) -> None:
         self.ctrl.send_msg(msg)
 

@@ -288,6 +288,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             return False
         if fs is not None:
             metrics.emit("weights_gbps", fs.gbps, version=version)
+            log.info("version %d fetched: %d bytes in %.3fs (%.3f GB/s) from %s via %s", version, fs.payload_bytes,
+                     fs.seconds, fs.gbps, ",".join(fs.holders), " | ".join(fs.routes))
         if holder is not None:  # serve what we now hold: peers pull from the least-loaded holder
             weights = eng.weights_to_serve()
             if weights is not None:
