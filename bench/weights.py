@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -35,6 +36,10 @@ from typing import Any
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-token"
+HOST = os.environ.get("DORA_BENCH_HOST", "127.0.0.1")  # address holders bind (a netns's eth0 address)
+RAW_OPTS = struct.Struct("!4q")  # raw request 'o': SO_SNDBUF, send chunk, first bucket, end bucket (0 = default)
+EXACT_BYTES = os.environ.get("DORA_BENCH_EXACT_BYTES") == "1"  # state dicts of exactly the asked size
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux: set buffer sizes above net.core.[rw]mem_max (root)
 UCX_VARIANTS: dict[str, dict[str, Any]] = {
     "ucx": {},  # defaults: same host -> tcp,cma get_zcopy; else tcp put_zcopy
     "ucx-tcp": {"same_host_tls": None},  # the network path, forced here on one host
@@ -51,20 +56,28 @@ UCX_VARIANTS: dict[str, dict[str, Any]] = {
 MAIN = ["raw", "tcp", "ucx-tcp", "ucx"]
 
 
-def transformer_shapes(total_bytes: int) -> dict[str, tuple[int, ...]]:
-    """Llama-like fp32 layer shapes (d_model, 8/3 d MLP, 32k vocab) adding up to ~total_bytes."""
+def transformer_shapes(total_bytes: int, exact: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """Llama-like fp32 layer shapes (d_model, 8/3 d MLP, 32k vocab) adding up to ~total_bytes; with
+    ``exact`` (default: $DORA_BENCH_EXACT_BYTES=1) whole layers below it plus an ``extra`` projection
+    (rows of d) and bias making exactly total_bytes (a multiple of 4)."""
+    exact = EXACT_BYTES if exact is None else exact
     d, vocab = (512, 8192) if total_bytes <= 200e6 else (1024, 32000) if total_bytes <= 1e9 else (2048, 32000)
     f = (d * 8 // 3 + 255) // 256 * 256
     per_layer = 4 * d * d + 3 * d * f + 2 * d
     fixed = 2 * vocab * d + d
-    layers = max(1, round((total_bytes / 4 - fixed) / per_layer))
+    layers = max(1, (total_bytes // 4 - fixed) // per_layer if exact else round((total_bytes / 4 - fixed) / per_layer))
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
         shapes |= {p + "attn_norm.weight": (d,), p + "q.weight": (d, d), p + "k.weight": (d, d)}
         shapes |= {p + "v.weight": (d, d), p + "o.weight": (d, d), p + "mlp_norm.weight": (d,)}
         shapes |= {p + "gate.weight": (f, d), p + "up.weight": (f, d), p + "down.weight": (d, f)}
-    return shapes | {"norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    shapes |= {"norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    rest = total_bytes // 4 - fixed - layers * per_layer
+    if exact and rest > 0:
+        shapes |= {"extra.weight": (rest // d, d)} if rest >= d else {}
+        shapes |= {"extra.bias": (rest % d,)} if rest % d else {}
+    return shapes
 
 
 def _cpu() -> float:
@@ -124,21 +137,37 @@ def _server(kind: str) -> Any:
     from dora_rl.infra.weights.ucx import UcxOptions
 
     if kind == "tcp":
-        return make_weight_server("tcp", TOKEN)
-    return make_weight_server("ucx", TOKEN, options=UcxOptions(**UCX_VARIANTS[kind]))
+        return make_weight_server("tcp", TOKEN, host=HOST)
+    return make_weight_server("ucx", TOKEN, host=HOST, options=UcxOptions(**UCX_VARIANTS[kind]))
+
+
+def _set_buf(s: socket.socket, force_opt: int, plain_opt: int, size: int) -> None:
+    if size:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, force_opt, size)
+        except PermissionError:  # not root: capped by net.core.[rw]mem_max
+            s.setsockopt(socket.SOL_SOCKET, plain_opt, size)
 
 
 def _raw_server(buckets: list[Any]) -> tuple[str, socket.socket]:
-    """Plain socket blast: for each 1-byte request, sendall every bucket."""
+    """Plain socket blast: for each request ``x``, sendall every bucket; for ``o`` + RAW_OPTS, buckets
+    first..end (0 = all) in chunks of ``chunk`` bytes (0 = whole buckets) with SO_SNDBUF ``sndbuf``."""
     ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
+    ls.bind((HOST, 0))
     ls.listen(8)
 
     def serve(c: socket.socket) -> None:
         with c:
-            while c.recv(1):
-                for b in buckets:
-                    c.sendall(memoryview(b))
+            while op := c.recv(1):
+                sndbuf, chunk, first, end = (0, 0, 0, 0)
+                if op == b"o":
+                    sndbuf, chunk, first, end = RAW_OPTS.unpack(c.recv(RAW_OPTS.size, socket.MSG_WAITALL))
+                _set_buf(c, SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)
+                for b in buckets[first : end or None]:
+                    mv = memoryview(b)
+                    step = chunk or mv.nbytes
+                    for off in range(0, mv.nbytes, step):
+                        c.sendall(mv[off : off + step])
 
     def loop() -> None:
         while True:
@@ -149,7 +178,7 @@ def _raw_server(buckets: list[Any]) -> tuple[str, socket.socket]:
             threading.Thread(target=serve, args=(c,), daemon=True).start()
 
     threading.Thread(target=loop, daemon=True).start()
-    return f"127.0.0.1:{ls.getsockname()[1]}", ls
+    return f"{HOST}:{ls.getsockname()[1]}", ls
 
 
 def holder_main(conn: Any, kinds: list[str]) -> None:
@@ -200,8 +229,8 @@ def fetcher_main(conn: Any) -> None:
 
     from dora_rl.infra.weights import WeightManifest, unpack_into
     from dora_rl.infra.weights.manifest import alloc_bytes
-    from dora_rl.infra.weights.plan import ReceivePlan, request_segments
-    from dora_rl.infra.weights.protocol import parse_address, recv_exact
+    from dora_rl.infra.weights.plan import ReceivePlan
+    from dora_rl.infra.weights.protocol import parse_address
 
     torch.set_num_threads(1)
     clients: dict[str, Any] = {}
@@ -221,17 +250,9 @@ def fetcher_main(conn: Any) -> None:
                 b.fill(0)  # touch: an existing model's memory, no first-touch page faults
             target = unpack_into(manifest, buckets, None, verify=False)
             conn.send(None)
-        elif cmd == "raw":
-            host, port = parse_address(args[0])
-            plan = ReceivePlan(manifest, target)
-            dests = [memoryview(plan.dest(s)) for s in request_segments(manifest, list(range(len(buckets))))]
-            with socket.create_connection((host, port)) as s:
-                t0 = time.monotonic()
-                s.sendall(b"x")
-                for d in dests:
-                    recv_exact(s, d)
-                t1 = time.monotonic()
-            conn.send({"start": t0, "end": t1, "seconds": t1 - t0})
+        elif cmd == "raw":  # (address[, {"sndbuf", "rcvbuf", "chunk", "streams"}]): see raw_parallel
+            opts = args[1] if len(args) > 1 else {}
+            conn.send(raw_parallel(parse_address(args[0]), manifest, ReceivePlan(manifest, target), opts))
         elif cmd == "fetch":
             kind, holders = args
             client = clients.get(kind) or clients.setdefault(kind, _client(kind))
@@ -270,6 +291,54 @@ def fetcher_main(conn: Any) -> None:
             return
 
 
+def raw_parallel(address: tuple[str, int], manifest: Any, plan: Any, opts: dict[str, int]) -> dict[str, Any]:
+    """Raw receive over ``streams`` sockets (each a contiguous run of buckets of about equal bytes),
+    SO_RCVBUF ``rcvbuf`` set before connecting; the holder sends with ``sndbuf`` / ``chunk``. No
+    options: one socket, kernel-default buffers, whole buckets per sendall (the loopback ``raw``)."""
+    from dora_rl.infra.weights.plan import request_segments
+    from dora_rl.infra.weights.protocol import recv_exact
+
+    n, total = len(manifest.buckets), manifest.total_bytes
+    streams = max(1, min(int(opts.get("streams", 1)), n))
+    cuts, acc = [0], 0
+    for i, b in enumerate(manifest.buckets):  # stream j gets buckets until j+1 shares of the bytes
+        acc += b.nbytes
+        if len(cuts) < streams and acc >= total * len(cuts) / streams and i + 1 < n:
+            cuts.append(i + 1)
+    cuts.append(n)
+    socks = []
+    for _ in range(len(cuts) - 1):
+        s = socket.socket()
+        _set_buf(s, SO_RCVBUFFORCE, socket.SO_RCVBUF, int(opts.get("rcvbuf", 0)))
+        s.connect(address)
+        socks.append(s)
+    errors: list[BaseException] = []
+
+    def pull(j: int) -> None:
+        try:
+            socks[j].sendall(b"o" + RAW_OPTS.pack(int(opts.get("sndbuf", 0)), int(opts.get("chunk", 0)), cuts[j],
+                                                  cuts[j + 1]))
+            for seg in request_segments(manifest, list(range(cuts[j], cuts[j + 1]))):
+                recv_exact(socks[j], memoryview(plan.dest(seg)))
+        except BaseException as e:
+            errors.append(e)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=pull, args=(j,)) for j in range(1, len(socks))]
+    for t in threads:
+        t.start()
+    pull(0)
+    for t in threads:
+        t.join()
+    t1 = time.monotonic()
+    rcvbuf = socks[0].getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    for s in socks:
+        s.close()
+    if errors:
+        raise RuntimeError(f"raw receive with {opts} failed: {errors[0]!r}") from errors[0]
+    return {"start": t0, "end": t1, "seconds": t1 - t0, "streams": len(socks), "rcvbuf_effective": rcvbuf}
+
+
 class Proc:
     def __init__(self, target: Any, *args: Any) -> None:
         self.conn, child = mp.Pipe()
@@ -289,10 +358,16 @@ class Proc:
             self.p.kill()
 
 
-def measure(holder: Proc, fetcher: Proc, kind: str, addrs: dict[str, str], size: int) -> dict[str, Any]:
+def measure(
+    holder: Proc, fetcher: Proc, kind: str, addrs: dict[str, str], size: int, raw_opts: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One transfer of ``kind`` (``raw`` + ``raw_opts``: the parallel / tuned raw socket) with CPU split."""
     holder.call("mark")
     fetcher.call("mark")
-    r = fetcher.call("raw", addrs["raw"]) if kind == "raw" else fetcher.call("fetch", kind, [addrs[kind]])
+    if kind == "raw":
+        r = fetcher.call("raw", addrs["raw"], *([raw_opts] if raw_opts is not None else []))
+    else:
+        r = fetcher.call("fetch", kind, [addrs[kind]])
     r["holder_cpu_split"] = holder.call("cpu")
     r["fetcher_cpu_split"] = fetcher.call("cpu")
     r["holder_cpu"] = r["holder_cpu_split"]["total"]
@@ -360,11 +435,12 @@ def _median_split(splits: list[dict[str, float]], size: int) -> dict[str, float]
     return {k: statistics.median(sp.get(k, 0.0) for sp in splits) / (size / 1e9) for k in sorted(keys)}
 
 
-def fan_out(size_req: int, kinds: list[str], n: int = 4, reps: int = 5) -> dict[str, Any]:
-    holder = Proc(holder_main, kinds)
+def fan_out(size_req: int, kinds: list[str], n: int = 4, reps: int = 5, spawn: Any = Proc) -> dict[str, Any]:
+    """``spawn(target, *args)`` makes the processes (``Proc``; bench/weights_netns.py: in namespaces)."""
+    holder = spawn(holder_main, kinds)
     manifest, addrs, _ = holder.call("build", size_req, 2)
     size = manifest["total_bytes"]
-    fetchers = [Proc(fetcher_main) for _ in range(n)]
+    fetchers = [spawn(fetcher_main) for _ in range(n)]
     for f in fetchers:
         f.call("prepare", manifest)
     out: dict[str, Any] = {"bytes": size}

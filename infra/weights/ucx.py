@@ -13,7 +13,7 @@ Design (measured on the 2-core loopback box; figures in bench/weights.py's outpu
   accepted the reply (``go``). Tags are unique per fetch, so concurrent fetches never mix.
 - *Two profiles*, each its own context + worker: ``net`` (``tls`` = tcp, rendezvous ``put_zcopy``)
   for peers on other hosts, and ``local`` (``same_host_tls`` = tcp,cma, rendezvous ``get_zcopy``)
-  when both ends report the same host id (boot id + PID namespace): cross-memory attach, one copy
+  when both ends report the same host id (boot id + PID and network namespaces): cross-memory attach, one copy
   made by the *fetcher*, so a holder feeding several fetchers is not the bottleneck.
 - *Progress*: each worker runs ucxx's C++ progress thread in blocking mode (epoll: no GIL, no core
   burnt when idle) with *delayed submission* (callers only enqueue, the progress thread posts, so they

@@ -27,14 +27,22 @@ def import_ucxx() -> Any:
 
 
 def host_id() -> str:
-    """Equal on two processes <=> same kernel boot and PID namespace (cross-memory attach possible)."""
+    """``<boot id>:<PID namespace inode>:<network namespace inode>``: equal on two processes <=> same
+    kernel boot, PID namespace and network namespace.
+
+    Equal ids select the UCX ``local`` profile (shared memory / cross-memory attach). Processes in
+    different network namespaces of one kernel count as different hosts here (they model separate
+    machines, e.g. ``dora_rl.infra.netns.NetLab``), so they always get the ``net`` profile and UCX
+    never uses cma, posix, sysv, xpmem or knem between them. Unreadable ids never compare equal.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
             boot = fh.read().strip()
         pidns = os.stat("/proc/self/ns/pid").st_ino
+        netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return f"unknown-{secrets.token_hex(8)}"  # never equal: always the network profile
-    return f"{boot}:{pidns}"
+    return f"{boot}:{pidns}:{netns}"
 
 
 @dataclass(frozen=True)
