@@ -89,14 +89,12 @@ class RunWatch:
         from confluent_kafka import Consumer, TopicPartition
 
         from dora_rl.infra import topics
+        from dora_rl.infra.kafka_io import reader_config
         from dora_rl.infra.runs import get_run, offsets_map
 
         start = offsets_map(get_run(bootstrap, run_id))
         self.run_id = run_id
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"chaos-{time.time()}",
-                                  "enable.auto.commit": False, "isolation.level": "read_committed",
-                                  "fetch.max.bytes": topics.BATCH_MAX_BYTES,
-                                  "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
+        self.consumer = Consumer(reader_config(bootstrap, f"chaos-{time.time()}"))
         names = [topics.METRICS, topics.VERSIONS, topics.STATE, topics.INSTANCES, topics.SCORED]
         md = self.consumer.list_topics(timeout=30)
         self.consumer.assign([TopicPartition(t, p, start.get((t, p), 0)) for t in names
@@ -305,6 +303,7 @@ def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra import topics
     from dora_rl.infra.broker import LocalCluster
+    from dora_rl.infra.kafka_security import client_config
     from dora_rl.launcher import prepare_topics
 
     cluster = LocalCluster(root / "cluster").start()
@@ -317,7 +316,7 @@ def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:
         watch = RunWatch(bootstrap, rdir.name)
         while len(watch.steps) < steps // 3:
             watch.poll()
-        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topics.BATCHES, timeout=10)
+        md = AdminClient(client_config(bootstrap)).list_topics(topics.BATCHES, timeout=10)
         victim = cluster.node_index(md.topics[topics.BATCHES].partitions[0].leader)
         t_kill, at = time.time(), len(watch.steps)
         cluster.kill_node(victim)

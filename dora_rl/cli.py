@@ -84,12 +84,17 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def cmd_broker(args: argparse.Namespace) -> int:
     from dora_rl.infra import broker as b
 
+    security = b.BrokerSecurity() if args.secure else None
+    if args.secure and args.action != "start":
+        raise SystemExit("--secure applies to `start` only")
     if args.cluster:
         if args.action != "start":
             raise SystemExit("--cluster supports only `start` (it runs in the foreground until Ctrl-C)")
-        cluster = b.LocalCluster()
+        cluster = b.LocalCluster(security=security)
         cluster.start()
         print(cluster.bootstrap_servers, flush=True)
+        if security is not None:
+            _print_client_config(cluster.nodes[0].secrets.client_config_file)
         try:
             import time
 
@@ -102,8 +107,15 @@ def cmd_broker(args: argparse.Namespace) -> int:
         from dora_rl.launcher import embedded_broker
 
         broker = embedded_broker()
+        if security is not None:  # same data dir and ports, SASL_SSL + ACLs; adopts a running secured broker
+            broker = b.LocalBroker(broker.data_dir, port=broker.port, controller_port=broker.controller_port,
+                                   security=security)
         broker.start()
+        if security is not None and broker.security is None:
+            raise SystemExit("the embedded broker is running without security: `dora-rl broker stop` it first")
         print(json.dumps(broker.status(), indent=2))
+        if broker.security is not None:
+            _print_client_config(broker.secrets.client_config_file)
     elif args.action == "stop":
         print("stopped" if b.stop_broker() else "not running")
     else:
@@ -111,10 +123,16 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_client_config(path: Path) -> None:
+    """Where the admin's client config is (0600; it names the password file, never holds the password)."""
+    print(f"admin client config: {path}\n  export DORA_KAFKA_CLIENT_CONFIG={path}", flush=True)
+
+
 def cmd_topics(args: argparse.Namespace) -> int:
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.infra import topics
+    from dora_rl.infra.kafka_security import client_config
 
     if args.action == "doc":  # docs/topics.md + README table from the catalogue; needs no broker
         from dora_rl.infra.topic_docs import sync_docs
@@ -122,7 +140,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
         return sync_docs(check=args.check)
     if args.action == "create":  # `list` prints the catalogue and needs no broker
         bootstrap = _bootstrap(args, start=True)
-        result = topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), args.partitions)
+        result = topics.ensure_topics(AdminClient(client_config(bootstrap)), args.partitions)
         for name, state in result.items():
             print(f"{name:32s} {state}")
     else:
@@ -237,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="the embedded Kafka broker")
     p.add_argument("action", choices=("start", "stop", "status"))
     p.add_argument("--cluster", action="store_true", help="a 3-node loopback cluster (foreground)")
+    p.add_argument("--secure", action="store_true",
+                   help="SASL_SSL (SCRAM-SHA-512) + ACLs; writes an admin client config (0600) in the broker dir")
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("topics", parents=[common], help="the topic catalogue")

@@ -65,7 +65,9 @@ def ensure_broker(bootstrap: str | None) -> str:
 
 def prepare_topics(bootstrap: str, num_partitions: int, instances: int = topics.MAX_INSTANCES) -> dict[str, str]:
     """Create the catalogue's topics, the request topic with ``instances`` partitions (idempotent)."""
-    return topics.ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), num_partitions, instances=instances)
+    from dora_rl.infra.kafka_security import client_config
+
+    return topics.ensure_topics(AdminClient(client_config(bootstrap)), num_partitions, instances=instances)
 
 
 @dataclass

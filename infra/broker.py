@@ -5,11 +5,19 @@
 Maven Central via :func:`~dora_rl.infra.kafka_dist.ensure_kafka_jars`. A broker is a detached process
 (own session) that outlives the command that started it; its data dir holds ``server.properties``,
 ``broker.log``, ``broker.pid`` and ``broker.json`` so later commands can :meth:`LocalBroker.attach`.
+
+``security=None`` (default): one PLAINTEXT listener, no authentication. With a
+:class:`~dora_rl.infra.broker_security.BrokerSecurity`: SASL_SSL (SCRAM-SHA-512) for clients and brokers,
+TLS + PLAIN on the controller listener, ACLs enforced (docs/decisions/0018); the node's
+``server.properties`` (which then holds passwords) is 0600 and no password is ever put in argv.
+``launch_prefix`` (e.g. ``["ip", "netns", "exec", "ns1"]``) is prepended to the ``java`` command lines; it
+must ``exec`` java (so the pid is the JVM's) and *host* must be reachable from the caller.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -20,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .broker_security import BrokerSecrets, BrokerSecurity, SecurityAdmin
 from .kafka_dist import (
     DEFAULT_KAFKA_VERSION,
     KAFKA_TOOLS,
@@ -37,11 +46,13 @@ from .kafka_dist import (
     tools_log4j2_config,
     wait_for_brokers,
 )
+from .kafka_security import PLAINTEXT, ClientSecurity, write_private
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
     "KAFKA_TOOLS",
     "BrokerError",
+    "BrokerSecurity",
     "KafkaDistError",
     "LocalBroker",
     "LocalCluster",
@@ -60,6 +71,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: SerialGC reaches "ready" ~1 s sooner than G1 on 2 cores (3.7 s vs 4.7 s) and runs no concurrent GC threads.
 BROKER_JVM_OPTS = ("-XX:+UseSerialGC", "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true")
 STATE_FILE, PID_FILE, LOG_FILE = "broker.json", "broker.pid", "broker.log"
+SCRAM_MARKER = "scram-admin.formatted"
+"""Written after a secured format: the storage's metadata holds the admin's SCRAM credential."""
 _RF_PREFIXES = ("default", "offsets.topic", "transaction.state.log", "share.coordinator.state.topic")
 _RF_KEYS = [f"{p}.replication.factor" for p in _RF_PREFIXES]
 _ISR_KEYS = ("min.insync.replicas", "transaction.state.log.min.isr", "share.coordinator.state.topic.min.isr")
@@ -80,11 +93,13 @@ def resolve_bootstrap(cli_value: str | None) -> str | None:
 
 
 class LocalBroker:
-    """One KRaft node (combined broker+controller) listening on 127.0.0.1.
+    """One KRaft node (combined broker+controller) listening on *host* (default 127.0.0.1).
 
     ``port=0`` picks free ports at :meth:`start` (the controller port defaults to ``port + 1``). The data
     dir survives restarts; storage is formatted only while ``<data_dir>/kraft/meta.properties`` is missing.
-    *config* overrides or extends the generated ``server.properties``.
+    *config* overrides or extends the generated ``server.properties``. *security* and *launch_prefix*: see
+    the module docstring (a secured broker's material lives in ``<data_dir>/security`` unless its
+    ``directory`` says otherwise; *host* is added to the certificate's hosts).
     """
 
     def __init__(
@@ -102,6 +117,8 @@ class LocalBroker:
         cluster_id: str | None = None,
         cache_dir: Path | str | None = None,
         host: str = "127.0.0.1",
+        security: BrokerSecurity | None = None,
+        launch_prefix: Sequence[str] = (),
     ) -> None:
         self.data_dir = Path(data_dir or default_broker_dir()).expanduser().resolve()
         self.port = port
@@ -110,6 +127,9 @@ class LocalBroker:
         self.config = dict(config or {})
         self.node_id, self.quorum_voters, self.cluster_id = node_id, quorum_voters, cluster_id
         self.cache_dir, self.host = cache_dir, host
+        self.security = security.with_hosts(host) if security is not None else None
+        self.launch_prefix = tuple(launch_prefix)
+        self._secrets: BrokerSecrets | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
 
@@ -122,8 +142,25 @@ class LocalBroker:
         return self.data_dir / LOG_FILE
 
     @property
+    def secrets(self) -> BrokerSecrets:
+        """The TLS material and passwords of a secured broker (made on first use)."""
+        if self.security is None:
+            raise BrokerError("this broker runs PLAINTEXT: it has no security material")
+        if self._secrets is None:
+            self._secrets = self.security.materialize(self.data_dir / "security")
+        return self._secrets
+
+    def client_security(self) -> ClientSecurity:
+        """What a client needs to reach this broker as its admin (super user); PLAINTEXT if unsecured."""
+        return self.secrets.admin() if self.security is not None else PLAINTEXT
+
+    def admin(self, timeout: float = 30.0) -> SecurityAdmin:
+        """An admin of this (secured, running) broker's SCRAM users and ACLs."""
+        return SecurityAdmin(self.bootstrap_servers, self.client_security(), timeout)
+
+    @property
     def bootstrap_servers(self) -> str:
-        """``127.0.0.1:<port>`` of the PLAINTEXT listener."""
+        """``<host>:<port>`` of the client listener (PLAINTEXT, or SASL_SSL when secured)."""
         if not self.port:
             raise BrokerError("port not chosen yet: call start() first")
         return f"{self.host}:{self.port}"
@@ -147,8 +184,13 @@ class LocalBroker:
         ddir = Path(data_dir or default_broker_dir()).expanduser().resolve()
         try:
             st = json.loads((ddir / STATE_FILE).read_text())
-            broker = cls(ddir, port=st["port"], controller_port=st["controller_port"], version=st["version"])
-        except (OSError, ValueError, KeyError) as exc:
+            sec = st.get("security")
+            security = None if sec is None else BrokerSecurity(
+                tuple(sec["hosts"]), Path(sec["directory"]), sec["admin_user"], sec["controller_user"])
+            broker = cls(ddir, port=st["port"], controller_port=st["controller_port"], version=st["version"],
+                         host=st.get("host", "127.0.0.1"), security=security,
+                         launch_prefix=st.get("launch_prefix", ()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise BrokerError(f"no broker state in {ddir} ({exc!r})") from exc
         broker.node_id, broker.cluster_id = st.get("node_id", 1), st.get("cluster_id")
         with contextlib.suppress(OSError, ValueError):
@@ -166,6 +208,8 @@ class LocalBroker:
             "data_dir": str(self.data_dir),
             "log_file": str(self.log_file),
             "cluster_id": self.cluster_id,
+            "security_protocol": "SASL_SSL" if self.security is not None else "PLAINTEXT",
+            "client_config": str(self.secrets.client_config_file) if self.security is not None else None,
         }
 
     def log_tail(self, lines: int = 40) -> str:
@@ -184,7 +228,9 @@ class LocalBroker:
         (self.data_dir / "log4j2.properties").write_text(package_file("log4j2-broker.properties").read_text())
         template = package_file("server.properties").read_text()
         voters = self.quorum_voters or f"{self.node_id}@{self.host}:{self.controller_port}"
+        listener_config = self._listener_config()
         text = template.format(
+            listener_config=listener_config,
             node_id=self.node_id,
             voters=voters,
             host=self.host,
@@ -194,26 +240,61 @@ class LocalBroker:
             max_bytes=MAX_MESSAGE_BYTES,
         )
         text += "".join(f"{k}={v}\n" for k, v in self.config.items())  # later keys win (java Properties)
-        self.properties_file.write_text("# generated by dora_rl.infra.broker\n" + text)
+        self._write_config(self.properties_file, "# generated by dora_rl.infra.broker\n" + text)
         meta = self.data_dir / "kraft" / "meta.properties"
+        scram_marker = self.data_dir / SCRAM_MARKER
         if meta.is_file():  # formatted before: keep its cluster id, never reformat
             ids = [
                 ln.split("=", 1)[1] for ln in meta.read_text().splitlines() if ln.startswith("cluster.id=")
             ]
             self.cluster_id = ids[0].strip() if ids else self.cluster_id
+            if self.security is not None and not scram_marker.is_file():
+                raise BrokerError(f"{self.data_dir} was formatted without security, so its metadata holds no "
+                                  "admin SCRAM credential: start the secured broker on a new data dir (or stop "
+                                  f"this one and delete {self.data_dir / 'kraft'})")
             return
         self.cluster_id = self.cluster_id or new_cluster_id()
         args = ["format", "-t", self.cluster_id, "-c", str(self.properties_file)]
+        main = "kafka.tools.StorageTool"
+        argfile = self.data_dir / ".format.args"
+        if self.security is not None:  # the admin's SCRAM password goes in a 0600 @argfile, never in argv
+            quoted = [f'"{a}"' for a in (main, *args, *self.secrets.format_args())]
+            self._write_config(argfile, "\n".join(quoted) + "\n", private=True)
+            main, args = f"@{argfile}", []
         cmd = java_command(
-            "kafka.tools.StorageTool",
+            main,
             args,
             lib=lib,
             log4j2_config=tools_log4j2_config(),
             jvm_opts=("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"),
         )
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        try:
+            proc = subprocess.run([*self.launch_prefix, *cmd], capture_output=True, text=True, timeout=120,
+                                  check=False)
+        finally:
+            argfile.unlink(missing_ok=True)
         if proc.returncode != 0:
             raise BrokerError(f"kafka-storage format failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        if self.security is not None:
+            scram_marker.write_text(f"{self.security.admin_user}\n")  # the admin credential is in the metadata
+
+    def _listener_config(self) -> str:
+        """The listener block of ``server.properties``: PLAINTEXT, or the secured one."""
+        if self.security is None:
+            return (f"listeners=PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}\n"
+                    f"advertised.listeners=PLAINTEXT://{self.host}:{self.port}\n"
+                    "inter.broker.listener.name=PLAINTEXT\n"
+                    "controller.listener.names=CONTROLLER\n"
+                    "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT")
+        props = self.secrets.server_properties(self.host, self.port, self.controller_port)
+        return "\n".join(f"{k}={v}" for k, v in props.items())
+
+    def _write_config(self, path: Path, text: str, private: bool | None = None) -> None:
+        """Write a file the broker reads; 0600 when it may hold a secret (a secured broker's files)."""
+        if self.security is not None if private is None else private:
+            write_private(path, text)
+        else:
+            path.write_text(text)
 
     def _launch(self) -> None:
         """Start the JVM detached (own session, output to ``broker.log``); does not wait."""
@@ -221,13 +302,16 @@ class LocalBroker:
         if self.log_file.exists():
             self.log_file.replace(self.log_file.with_name(LOG_FILE + ".1"))
         jvm = ["-Xms256m", f"-Xmx{self.heap}", *self.jvm_opts]
+        if self.security is not None:  # SASL looks up peers' names: never wait on DNS (see jvm_hosts_file)
+            hosts_file = self.secrets.jvm_hosts_file(self.data_dir / "jvm.hosts", self.security.hosts)
+            jvm.append(f"-Djdk.net.hosts.file={hosts_file}")
         log4j2 = self.data_dir / "log4j2.properties"
         cmd = java_command(
             "kafka.Kafka", [str(self.properties_file)], lib=lib, log4j2_config=log4j2, jvm_opts=jvm
         )
         with self.log_file.open("ab") as log:
             self._proc = subprocess.Popen(
-                cmd,
+                [*self.launch_prefix, *cmd],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -237,6 +321,11 @@ class LocalBroker:
         self._pid = self._proc.pid
         state = dict(pid=self._pid, bootstrap=self.bootstrap_servers, port=self.port, version=self.version)
         state.update(controller_port=self.controller_port, node_id=self.node_id, cluster_id=self.cluster_id)
+        state.update(host=self.host, launch_prefix=list(self.launch_prefix))
+        if self.security is not None:
+            state["security"] = {"hosts": list(self.security.hosts), "directory": str(self.secrets.directory),
+                                 "admin_user": self.security.admin_user,
+                                 "controller_user": self.security.controller_user}
         (self.data_dir / f".{STATE_FILE}.tmp").write_text(json.dumps(state, indent=1))
         (self.data_dir / f".{STATE_FILE}.tmp").replace(self.data_dir / STATE_FILE)
         (self.data_dir / PID_FILE).write_text(f"{self._pid}\n")
@@ -260,14 +349,15 @@ class LocalBroker:
             prev = LocalBroker.attach(self.data_dir)
             if prev.is_running():
                 self.port, self.controller_port, self.version = prev.port, prev.controller_port, prev.version
-                self.cluster_id, self._pid = prev.cluster_id, prev._pid
+                self.cluster_id, self._pid, self.host = prev.cluster_id, prev._pid, prev.host
+                self.security, self._secrets = prev.security, None  # a running broker's protocol is what it is
                 return self
         deadline = time.monotonic() + timeout
         self._prepare()
         self._launch()
         try:
             self._wait_port(deadline)
-            wait_for_brokers(self.bootstrap_servers, 1, deadline)
+            wait_for_brokers(self.bootstrap_servers, 1, deadline, security=self.client_security())
         except BaseException as exc:
             self.kill()
             if isinstance(exc, TimeoutError):
@@ -334,7 +424,8 @@ class LocalCluster:
     """*nodes* combined broker+controller nodes on loopback: RF 3, ``min.insync.replicas`` 2, static quorum.
 
     All nodes share one cluster id; each has its own dir ``<data_dir>/node<N>`` and free ports, recorded
-    in ``<data_dir>/cluster.json`` so a cluster restarted on the same dir keeps them.
+    in ``<data_dir>/cluster.json`` so a cluster restarted on the same dir keeps them. With *security* all
+    nodes share one TLS material and admin (``<data_dir>/security`` unless its ``directory`` is set).
     """
 
     def __init__(
@@ -346,9 +437,13 @@ class LocalCluster:
         heap: str = "512m",
         config: Mapping[str, object] | None = None,
         cache_dir: Path | str | None = None,
+        security: BrokerSecurity | None = None,
     ) -> None:
         self.data_dir = Path(data_dir or dora_home() / "cluster").expanduser().resolve()
         self.size, self.version, self.heap, self.cache_dir = nodes, version, heap, cache_dir
+        if security is not None and security.directory is None:
+            security = dataclasses.replace(security, directory=self.data_dir / "security")
+        self.security = security
         rf, isr = min(3, nodes), (2 if nodes >= 3 else 1)
         self.config: dict[str, object] = {**dict.fromkeys(_RF_KEYS, rf), **dict.fromkeys(_ISR_KEYS, isr)}
         self.config.update({"unclean.leader.election.enable": "false", "num.io.threads": 2, **(config or {})})
@@ -372,15 +467,26 @@ class LocalCluster:
             state_file.write_text(json.dumps({"ports": ports, "cluster_id": cid, "version": self.version}))
         voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports))
         node = functools.partial(LocalBroker, version=self.version, heap=self.heap, config=self.config)
-        node = functools.partial(node, quorum_voters=voters, cluster_id=cid, cache_dir=self.cache_dir)
+        node = functools.partial(node, quorum_voters=voters, cluster_id=cid, cache_dir=self.cache_dir,
+                                 security=self.security)
         self.nodes = [
             node(self.data_dir / f"node{i + 1}", port=p, controller_port=c, node_id=i + 1)
             for i, (p, c) in enumerate(ports)
         ]
 
+    def client_security(self) -> ClientSecurity:
+        """What a client needs to reach this cluster as its admin (super user); PLAINTEXT if unsecured."""
+        if not self.nodes:
+            raise BrokerError("cluster not started")
+        return self.nodes[0].client_security()
+
+    def admin(self, timeout: float = 30.0) -> SecurityAdmin:
+        """An admin of this (secured, running) cluster's SCRAM users and ACLs."""
+        return SecurityAdmin(self.bootstrap_servers, self.client_security(), timeout)
+
     def _wait_all(self, deadline: float) -> None:
         try:
-            wait_for_brokers(self.bootstrap_servers, self.size, deadline)
+            wait_for_brokers(self.bootstrap_servers, self.size, deadline, security=self.client_security())
         except TimeoutError as exc:
             tails = "\n".join(f"--- node {n.node_id}:\n{n.log_tail(15)}" for n in self.nodes)
             raise BrokerError(f"{exc}\n{tails}") from exc
@@ -422,7 +528,7 @@ class LocalCluster:
         node._launch()
         node._wait_port(deadline)
         try:  # ask the restarted node itself: the others may still list its previous incarnation
-            wait_for_brokers(node.bootstrap_servers, self.size, deadline)
+            wait_for_brokers(node.bootstrap_servers, self.size, deadline, security=node.client_security())
         except TimeoutError as exc:
             raise BrokerError(f"{exc}; last lines of {node.log_file}:\n{node.log_tail()}") from exc
 

@@ -21,6 +21,10 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kafka_security import ClientSecurity
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
@@ -252,9 +256,16 @@ def run_kafka_tool(
 
 # -- process / network helpers shared by LocalBroker and LocalCluster --------------------------------
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on *host* right now."""
+    """Return a TCP port that is free on *host* right now.
+
+    A *host* that is no address of this network namespace (a broker started in another one, reached
+    over a veth) cannot be probed: then a port free on every local address is returned.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
@@ -312,14 +323,19 @@ def pid_alive(pid: int) -> bool:
     return False
 
 
-def wait_for_brokers(bootstrap: str, count: int, deadline: float) -> dict[int, str]:
+def wait_for_brokers(
+    bootstrap: str, count: int, deadline: float, security: ClientSecurity | None = None
+) -> dict[int, str]:
     """Poll metadata (confluent-kafka AdminClient) until *count* brokers are registered.
 
-    *deadline* is a ``time.monotonic()`` value. Returns ``{node_id: "host:port"}``.
+    *deadline* is a ``time.monotonic()`` value; *security* defaults to the process's
+    (:func:`~dora_rl.infra.kafka_security.current`). Returns ``{node_id: "host:port"}``.
     """
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 2})
+    from .kafka_security import client_config
+
+    admin = AdminClient(client_config(bootstrap, security=security, log_level=2))
     last: object = None
     while True:
         try:

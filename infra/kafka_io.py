@@ -12,13 +12,20 @@ and never misses its own records. Records of other runs are skipped.
 
 Bad input. A value that cannot be decoded (or that fails validation by the caller) is written to
 ``dora.dlq`` with the reason and the original bytes, its offset is committed, and the role goes on.
+
+The group-less readers (``read_all``, ``read_backwards``, …) live in :mod:`~dora_rl.infra.kafka_read` and are
+re-exported here. Security. Every client gets the process's :mod:`~dora_rl.infra.kafka_security` settings. Wrong
+credentials or a missing ACL (:data:`~dora_rl.infra.kafka_security.SECURITY_ERROR_NAMES`) are fatal:
+whether reported to the client's error callback, in a delivery report, a consumer error or a failed call,
+they raise :class:`~dora_rl.infra.kafka_security.KafkaSecurityError` naming the code from the next
+poll/consume/flush, instead of being retried; other client errors keep their behaviour (logged, retried).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +35,56 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import DeadLetter, Metric, Record
 
 from . import topics
+from .kafka_read import (
+    metadata,
+    now_ms,
+    read_all,
+    read_backwards,
+    read_range,
+    reader_config,
+    surface_security_error,
+    watermarks,
+)
+from .kafka_security import (
+    ClientSecurity,
+    KafkaSecurityError,
+    check_kafka_error,
+    client_config,
+    is_security_error,
+    on_client_error,
+    security_errors_fatal,
+)
+
+__all__ = [  # the readers live in kafka_read and are re-exported here, their long-standing home
+    "DeadLetters",
+    "Envelope",
+    "Metrics",
+    "RecordProducer",
+    "RecordTooLarge",
+    "RunConsumer",
+    "consumer_config",
+    "dead_letter",
+    "is_record",
+    "letter_key",
+    "metadata",
+    "now_ms",
+    "producer_config",
+    "read_all",
+    "read_backwards",
+    "read_range",
+    "reader_config",
+    "surface_security_error",
+    "watermarks",
+]
 
 log = logging.getLogger(__name__)
 
 
-def now_ms() -> int:
-    """Wall clock in Unix epoch milliseconds."""
-    return int(time.time() * 1000)
-
-
-def producer_config(bootstrap: str, client_id: str, **extra: Any) -> dict[str, Any]:
-    """Idempotent producer settings sized for inline training batches."""
-    cfg: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
+def producer_config(bootstrap: str, client_id: str, *, security: ClientSecurity | None = None,
+                    **extra: Any) -> dict[str, Any]:
+    """Idempotent producer settings sized for inline training batches (*security*: default the process's)."""
+    cfg: dict[str, Any] = client_config(bootstrap, security=security)
+    cfg.update({
         "client.id": client_id,
         "enable.idempotence": True,
         "acks": "all",
@@ -48,15 +92,17 @@ def producer_config(bootstrap: str, client_id: str, **extra: Any) -> dict[str, A
         "compression.type": "lz4",
         "message.max.bytes": topics.BATCH_MAX_BYTES,
         "queue.buffering.max.kbytes": 512 * 1024,
-    }
+        "error_cb": on_client_error,
+    })
     cfg.update(extra)
     return cfg
 
 
-def consumer_config(bootstrap: str, group_id: str, client_id: str, **extra: Any) -> dict[str, Any]:
-    """Manual-commit, read-committed consumer settings."""
-    cfg: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
+def consumer_config(bootstrap: str, group_id: str, client_id: str, *, security: ClientSecurity | None = None,
+                    **extra: Any) -> dict[str, Any]:
+    """Manual-commit, read-committed consumer settings (*security*: default the process's)."""
+    cfg: dict[str, Any] = client_config(bootstrap, security=security)
+    cfg.update({
         "group.id": group_id,
         "client.id": client_id,
         "enable.auto.commit": False,
@@ -67,7 +113,8 @@ def consumer_config(bootstrap: str, group_id: str, client_id: str, **extra: Any)
         "fetch.wait.max.ms": 50,
         "session.timeout.ms": 30000,
         "max.poll.interval.ms": 600000,
-    }
+        "error_cb": on_client_error,
+    })
     cfg.update(extra)
     return cfg
 
@@ -81,12 +128,14 @@ class RecordTooLarge(ValueError):
 
 
 class RecordProducer:
-    """Produces typed records with version-carrying keys; raises on delivery failure at flush, and
-    :class:`RecordTooLarge` at once for a record its topic would refuse."""
+    """Produces typed records with version-carrying keys; raises on delivery failure at flush,
+    :class:`RecordTooLarge` at once for a record its topic would refuse, and :class:`KafkaSecurityError`
+    from the next send/flush once Kafka refused its credentials or an ACL."""
 
     def __init__(self, bootstrap: str, client_id: str, **extra: Any) -> None:
         self._producer = Producer(producer_config(bootstrap, client_id, **extra))
         self._errors: list[str] = []
+        self._fatal: KafkaSecurityError | None = None
 
     @property
     def raw(self) -> Producer:
@@ -94,8 +143,25 @@ class RecordProducer:
         return self._producer
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None and is_security_error(err):
+            self._fatal = self._fatal or KafkaSecurityError(err.name(), err.str(), f"producing to {msg.topic()}")
+            raise self._fatal
         if err is not None:
             self._errors.append(f"{msg.topic()}: {err}")
+
+    def _check_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _poll(self, timeout: float) -> None:
+        with security_errors_fatal("producer poll"):
+            self._producer.poll(timeout)
+        self._check_fatal()
+
+    def init_transactions(self, timeout: float = 60.0) -> None:
+        """``init_transactions`` (fences and aborts a predecessor); a refused transactional id is fatal."""
+        with security_errors_fatal("init_transactions"):
+            self._producer.init_transactions(timeout)
 
     def send(self, topic: str, record: Record, key: str, partition: int | None = None) -> None:
         """Queue one record (schemaless Avro + schema headers). Non-blocking; see :meth:`flush`."""
@@ -112,17 +178,25 @@ class RecordProducer:
                                   "on_delivery": self._on_delivery}
         if partition is not None:
             kwargs["partition"] = partition
+        self._check_fatal()
         while True:
             try:
                 self._producer.produce(topic, **kwargs)
                 break
             except BufferError:
-                self._producer.poll(0.05)
-        self._producer.poll(0)
+                self._poll(0.05)
+        self._poll(0)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait for every queued record; raise RuntimeError naming the failures."""
-        remaining = self._producer.flush(timeout)
+        """Wait for every queued record; raise RuntimeError naming the failures (KafkaSecurityError for a
+        refused credential or ACL)."""
+        deadline = time.monotonic() + timeout
+        while True:  # in short slices: a callback's exception surfaces only when librdkafka's flush returns
+            with security_errors_fatal("producer flush"):
+                remaining = self._producer.flush(min(0.5, max(0.0, deadline - time.monotonic())))
+            self._check_fatal()
+            if not remaining or time.monotonic() >= deadline:
+                break
         if remaining:
             raise RuntimeError(f"{remaining} records not delivered within {timeout}s")
         if self._errors:
@@ -200,12 +274,14 @@ class Metrics:
 
 def is_record(msg: Message) -> bool:
     """True for a record; False for a partition-EOF event or a retriable error (logged); raises
-    :class:`KafkaException` on a fatal or non-retriable one."""
+    :class:`KafkaSecurityError` on a security error, :class:`KafkaException` on another fatal or
+    non-retriable one."""
     err = msg.error()
     if err is None:
         return True
     if err.code() == KafkaError._PARTITION_EOF:
         return False
+    check_kafka_error(err, f"consuming {msg.topic()}")
     if err.fatal() or not err.retriable():
         raise KafkaException(err)
     log.warning("consumer error (retriable): %s", err)
@@ -228,7 +304,7 @@ class RunConsumer:
         self.record_types = dict(record_types)
         self.dead_letters = dead_letters
         self.start_offsets = dict(start_offsets or {})
-        group = f"dora.{run_id}.{component}{group_suffix}"
+        group = self._group = f"dora.{run_id}.{component}{group_suffix}"
         self._consumer = Consumer(consumer_config(bootstrap, group, f"{component}-{run_id}", **extra))
         self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
         self.skipped_other_runs = 0
@@ -244,7 +320,8 @@ class RunConsumer:
     def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Envelope]:
         """Decoded records of this run; bad ones are dead-lettered, other runs' skipped."""
         out: list[Envelope] = []
-        msgs = self._consumer.consume(max_records, timeout)
+        with security_errors_fatal(f"consumer group {self._group}"):
+            msgs = self._consumer.consume(max_records, timeout)
         self.last_poll_count = len(msgs)
         for msg in msgs:
             if not is_record(msg):
@@ -265,12 +342,14 @@ class RunConsumer:
     def commit_in_transaction(self, producer: Producer, timeout: float = 30.0) -> None:
         """Add the consumed positions to ``producer``'s open transaction (exactly-once hand-off)."""
         positions = self._consumer.position(self._consumer.assignment())
-        producer.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata(), timeout)
+        with security_errors_fatal(f"send_offsets_to_transaction, group {self._group}"):
+            producer.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata(), timeout)
 
     def commit(self) -> None:
         """Synchronously commit what was consumed so far (call after outputs are flushed)."""
         try:
-            self._consumer.commit(asynchronous=False)
+            with security_errors_fatal(f"commit, group {self._group}"):
+                self._consumer.commit(asynchronous=False)
         except KafkaException as exc:
             if exc.args and exc.args[0].code() == KafkaError._NO_OFFSET:
                 return
@@ -284,101 +363,3 @@ class RunConsumer:
     def close(self) -> None:
         """Leave the group."""
         self._consumer.close()
-
-
-def watermarks(consumer: Consumer, tp: TopicPartition, timeout: float = 15.0) -> tuple[int, int]:
-    """(low, high) watermarks, retrying while a new partition's leader is still being elected."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
-            return int(low), int(high)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            retriable = isinstance(err, KafkaError) and (err.retriable() or err.code() in (
-                KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                KafkaError.UNKNOWN_TOPIC_OR_PART))
-            if not retriable or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def read_all(bootstrap: str, topic: str, start: Mapping[int, int] | None = None,
-             timeout: float = 10.0, idle_s: float = 1.0) -> Iterable[Message]:
-    """Read a topic from ``start`` offsets (default: beginning) to its current end, no group.
-
-    Yields raw messages; stops when every partition reached the high watermark seen at start.
-    """
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dora-reader-{now_ms()}",
-                         "enable.auto.commit": False, "isolation.level": "read_committed",
-                         "fetch.max.bytes": topics.BATCH_MAX_BYTES,
-                         "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
-    try:
-        md = consumer.list_topics(topic, timeout=timeout)
-        if topic not in md.topics or md.topics[topic].error is not None:
-            raise RuntimeError(f"topic {topic} does not exist")
-        assignment: list[TopicPartition] = []
-        ends: dict[int, int] = {}
-        for p in md.topics[topic].partitions:
-            low, high = watermarks(consumer, TopicPartition(topic, p), timeout)
-            first = max(low, (start or {}).get(p, low))
-            if first < high:
-                assignment.append(TopicPartition(topic, p, first))
-                ends[p] = high
-        if not assignment:
-            return
-        consumer.assign(assignment)
-        last = time.monotonic()
-        while True:
-            msgs = consumer.consume(500, 0.3)
-            if not msgs:
-                # Transaction markers occupy offsets but are never delivered: compare positions.
-                positions = consumer.position([TopicPartition(topic, p) for p in ends])
-                if all(tp.offset >= ends[tp.partition] for tp in positions if tp.offset >= 0):
-                    if all(tp.offset >= 0 for tp in positions):
-                        return
-                if time.monotonic() - last > max(idle_s, timeout):
-                    raise TimeoutError(f"reading {topic}: stalled before the end offsets {ends}")
-                continue
-            last = time.monotonic()
-            for msg in msgs:
-                if msg.error() is None and (msg.offset() or 0) < ends[msg.partition() or 0]:
-                    yield msg
-    finally:
-        consumer.close()
-
-
-def read_range(consumer: Consumer, tp: TopicPartition, start: int, end: int, timeout: float = 15.0) -> list[Message]:
-    """Committed records of ``tp`` in ``[start, end)`` (transaction markers occupy offsets but are skipped)."""
-    consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
-    out: list[Message] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        pos = consumer.position([TopicPartition(tp.topic, tp.partition)])[0].offset
-        if pos >= end:
-            return out
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"reading {tp.topic}[{tp.partition}] {start}..{end}: stalled at {pos}")
-        for msg in consumer.consume(500, 0.2):
-            if msg.error() is None and (msg.offset() or 0) < end:
-                out.append(msg)
-
-
-def read_backwards(bootstrap: str, topic: str, partition: int = 0, stop_at: int = 0, window: int = 256,
-                   timeout: float = 15.0) -> Iterable[list[Message]]:
-    """Windows of a partition's committed records from its end towards ``stop_at`` (newest window
-    first, records in log order inside a window): finds the latest records without reading the log."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dora-backwards-{now_ms()}",
-                         "enable.auto.commit": False, "isolation.level": "read_committed",
-                         "fetch.max.bytes": topics.BATCH_MAX_BYTES,
-                         "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
-    try:
-        tp = TopicPartition(topic, partition)
-        low, end = watermarks(consumer, tp, timeout)
-        low = max(low, stop_at)
-        while end > low:
-            start = max(low, end - window)
-            yield read_range(consumer, tp, start, end, timeout)
-            end = start
-    finally:
-        consumer.close()

@@ -18,7 +18,8 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RunInfo, TopicOffset
 
 from . import topics
-from .kafka_io import RecordProducer, now_ms, read_all, watermarks
+from .kafka_io import RecordProducer, metadata, now_ms, read_all, reader_config, watermarks
+from .kafka_security import client_config, security_errors_fatal
 
 
 def new_run_id() -> str:
@@ -28,9 +29,9 @@ def new_run_id() -> str:
 
 def end_offsets(bootstrap: str, names: list[str] | None = None, timeout: float = 15.0) -> list[TopicOffset]:
     """Current end (high watermark) offsets of every partition of ``names`` (default: all data topics)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "dora-offsets", "enable.auto.commit": False})
+    consumer = Consumer(reader_config(bootstrap, "dora-offsets"))
     try:
-        md = consumer.list_topics(timeout=timeout)
+        md = metadata(consumer, None, timeout)
         out: list[TopicOffset] = []
         for name in names or [s.name for s in topics.catalogue() if s.name != topics.RUNS]:
             if name not in md.topics:
@@ -114,19 +115,22 @@ def retention_gaps(bootstrap: str, info: RunInfo, timeout: float = 15.0) -> list
     from confluent_kafka import ConsumerGroupTopicPartitions
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(client_config(bootstrap))
     prefix = f"dora.{info.run_id}."
-    listed = admin.list_consumer_groups(request_timeout=timeout).result()
+    with security_errors_fatal("listing consumer groups"):
+        listed = admin.list_consumer_groups(request_timeout=timeout).result()
     committed: dict[tuple[str, int], int] = {}
     for g in (g.group_id for g in listed.valid if g.group_id.startswith(prefix)):
         res = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(g)], request_timeout=timeout)
-        for tp in res[g].result().topic_partitions or []:
+        with security_errors_fatal(f"offsets of group {g}"):
+            committed_tps = res[g].result().topic_partitions or []
+        for tp in committed_tps:
             if tp.offset >= 0:
                 key = (tp.topic, tp.partition)
                 committed[key] = min(committed.get(key, tp.offset), tp.offset)
     start = offsets_map(info)
     read_by_roles = {s.name for s in topics.catalogue() if set(s.readers) & set(topics.ROLE_NAMES)}
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "dora-offsets", "enable.auto.commit": False})
+    consumer = Consumer(reader_config(bootstrap, "dora-offsets"))
     gaps: list[str] = []
     try:
         for (topic, partition), begin in sorted(start.items()):

@@ -41,7 +41,9 @@ from dora_rl.infra.kafka_io import (
     letter_key,
     now_ms,
     read_range,
+    reader_config,
 )
+from dora_rl.infra.kafka_security import security_errors_fatal
 from dora_rl.infra.snapshots import latest_snapshot, send_snapshot
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import Record
@@ -65,10 +67,7 @@ class RefFetcher:
         out: dict[Ref, Any] = {}
         if not wanted:
             return out
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"dora-ref-reader-{now_ms()}",
-                             "enable.auto.commit": False, "isolation.level": "read_committed",
-                             "fetch.max.bytes": topics.BATCH_MAX_BYTES,
-                             "max.partition.fetch.bytes": topics.BATCH_MAX_BYTES})
+        consumer = Consumer(reader_config(self.bootstrap, f"dora-ref-reader-{now_ms()}"))
         try:
             for (topic, partition), offsets in wanted.items():
                 tp = TopicPartition(topic, partition)
@@ -97,7 +96,7 @@ class KafkaDriver:
         name = processor.name
         self.producer = RecordProducer(bootstrap, f"{name}-{run_id}",
                                        **{"transactional.id": f"dora.{run_id}.{name}"})
-        self.producer.raw.init_transactions(60)  # fences and aborts any predecessor
+        self.producer.init_transactions(60)  # fences and aborts any predecessor; a refused id is fatal
         self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.{name}", f"{name}-{run_id}"))
         self.fetcher = RefFetcher(bootstrap, self.record_types)
         self._cache: dict[Ref, Any] = {}
@@ -120,9 +119,10 @@ class KafkaDriver:
             self.commits = int(snap.commit)
         self.proc.init(self.ctx)
         self._cache.clear()
-        md = self.consumer.list_topics(timeout=30)
-        tps = [TopicPartition(t, p) for t in self.record_types for p in sorted(md.topics[t].partitions)]
-        committed = self.consumer.committed(tps, timeout=30)
+        with security_errors_fatal(f"{self.proc.name}: inputs and committed offsets"):
+            md = self.consumer.list_topics(timeout=30)
+            tps = [TopicPartition(t, p) for t in self.record_types for p in sorted(md.topics[t].partitions)]
+            committed = self.consumer.committed(tps, timeout=30)
         for tp in committed:
             if tp.offset == OFFSET_INVALID or tp.offset < 0:
                 tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)
@@ -133,7 +133,8 @@ class KafkaDriver:
 
     def poll(self, timeout: float) -> int:
         """Feed what arrives within ``timeout`` to the processor; returns the records consumed."""
-        msgs = self.consumer.consume(500, timeout)
+        with security_errors_fatal(f"{self.proc.name}: consume"):
+            msgs = self.consumer.consume(500, timeout)
         n = 0
         for msg in msgs:
             if not is_record(msg):
@@ -170,7 +171,8 @@ class KafkaDriver:
         except KafkaException:
             log.exception("%s: commit %d failed (fenced by a newer incarnation, or the broker)",
                           self.proc.name, self.commits)
-            raise
+            with security_errors_fatal(f"{self.proc.name}: commit {self.commits}"):
+                raise  # a refused credential/ACL becomes KafkaSecurityError naming its code
 
     def run(self, stop: Callable[[], bool], done: Callable[[], bool] = lambda: False,
             urgent: Callable[[], bool] = lambda: False) -> None:

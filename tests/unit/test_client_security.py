@@ -1,0 +1,157 @@
+"""ClientSecurity loading (env vs file, missing fields, secrets kept out of repr/logs) and role grants."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from dora_rl.infra import kafka_security as ks
+from dora_rl.infra.broker_security import ROLES, BrokerSecurity, role_grants
+from dora_rl.infra.topics import catalogue
+
+PW = "s3cret-Pa55word"
+
+
+def _toml(path: Path, **keys: str) -> Path:
+    path.write_text("".join(f'{k} = "{v}"\n' for k, v in keys.items()))
+    return path
+
+
+def test_nothing_set_is_plaintext() -> None:
+    sec = ks.load({})
+    assert sec == ks.PLAINTEXT and not sec.secure
+    assert ks.client_config("h:1", security=sec) == {"bootstrap.servers": "h:1"}
+    assert ks.aiokafka_kwargs(sec) == {"security_protocol": "PLAINTEXT"}
+    assert ks.faust_broker_credentials(sec) is None
+
+
+def test_env_only(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    sec = ks.load({"DORA_KAFKA_SECURITY_PROTOCOL": "sasl_ssl", "DORA_KAFKA_SASL_USERNAME": "alice",
+                   "DORA_KAFKA_SASL_PASSWORD": PW, "DORA_KAFKA_SSL_CA_FILE": str(ca)})
+    assert (sec.protocol, sec.mechanism, sec.username, sec.password, sec.ca_file) == (
+        "SASL_SSL", "SCRAM-SHA-512", "alice", PW, ca)
+    cfg = ks.client_config("h:1", security=sec, **{"client.id": "x"})
+    assert cfg == {"bootstrap.servers": "h:1", "security.protocol": "SASL_SSL", "sasl.mechanisms": "SCRAM-SHA-512",
+                   "sasl.username": "alice", "sasl.password": PW, "ssl.ca.location": str(ca), "client.id": "x"}
+
+
+def test_file_then_env_wins_key_by_key(tmp_path: Path) -> None:
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(PW + "\n")
+    cfg = _toml(tmp_path / "client.toml", security_protocol="SASL_SSL", sasl_username="from-file",
+                sasl_password="file-password", ssl_ca_file="ca.pem")
+    from_file = ks.load({"DORA_KAFKA_CLIENT_CONFIG": str(cfg)})
+    assert (from_file.username, from_file.password) == ("from-file", "file-password")
+    assert from_file.ca_file == tmp_path / "ca.pem"  # relative to the TOML file
+    both = ks.load({"DORA_KAFKA_CLIENT_CONFIG": str(cfg), "DORA_KAFKA_SASL_USERNAME": "from-env",
+                    "DORA_KAFKA_SASL_PASSWORD_FILE": str(pw_file)})
+    assert (both.username, both.password, both.password_file) == ("from-env", PW, pw_file)
+    assert both.ca_file == tmp_path / "ca.pem"  # not overridden: the file's value stays
+
+
+def test_unknown_key_and_missing_fields_are_errors(tmp_path: Path) -> None:
+    bad = _toml(tmp_path / "bad.toml", security_protocol="SASL_SSL", sasl_pasword="typo")
+    with pytest.raises(ks.SecurityConfigError, match=r"unknown keys.*sasl_pasword"):
+        ks.load({"DORA_KAFKA_CLIENT_CONFIG": str(bad)})
+    with pytest.raises(ks.SecurityConfigError, match="missing: password, CA file") as exc:
+        ks.load({"DORA_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "DORA_KAFKA_SASL_USERNAME": "alice"})
+    assert "DORA_KAFKA_SSL_CA_FILE" in str(exc.value)
+    with pytest.raises(ks.SecurityConfigError, match="PLAINTEXT"):
+        ks.load({"DORA_KAFKA_SASL_USERNAME": "alice", "DORA_KAFKA_SASL_PASSWORD": PW})
+    with pytest.raises(ks.SecurityConfigError, match="not both"):
+        ks.load({"DORA_KAFKA_SASL_PASSWORD": PW, "DORA_KAFKA_SASL_PASSWORD_FILE": "/x"})
+    with pytest.raises(ks.SecurityConfigError, match="unsupported"):
+        ks.load({"DORA_KAFKA_SECURITY_PROTOCOL": "SSL"})
+    with pytest.raises(ks.SecurityConfigError, match="cannot read the SASL password file") as exc:
+        ks.load({"DORA_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "DORA_KAFKA_SASL_USERNAME": "a",
+                 "DORA_KAFKA_SASL_PASSWORD_FILE": str(tmp_path / "nope"), "DORA_KAFKA_SSL_CA_FILE": "ca"})
+
+
+def test_password_never_in_repr_str_or_errors(tmp_path: Path) -> None:
+    sec = ks.ClientSecurity("SASL_SSL", username="alice", password=PW, ca_file=tmp_path / "ca.pem")
+    assert PW not in repr(sec) and PW not in str(sec) and "alice" in repr(sec)
+    with pytest.raises(ks.SecurityConfigError) as exc:
+        ks.ClientSecurity("SASL_SSL", username="alice", password=PW)
+    assert PW not in str(exc.value)
+
+
+def test_child_env_passes_the_password_by_0600_file(tmp_path: Path) -> None:
+    sec = ks.ClientSecurity("SASL_SSL", username="alice", password=PW, ca_file=tmp_path / "ca.pem")
+    env = ks.child_env(sec, tmp_path / "secrets")
+    assert PW not in "".join(env.values())
+    pw_file = Path(env["DORA_KAFKA_SASL_PASSWORD_FILE"])
+    assert pw_file.read_text().strip() == PW and stat.S_IMODE(pw_file.stat().st_mode) == 0o600
+    assert env["DORA_KAFKA_SASL_PASSWORD"] == "" and env["DORA_KAFKA_CLIENT_CONFIG"] == ""
+    inherited = {"DORA_KAFKA_SASL_PASSWORD": "parent-pw", "DORA_KAFKA_CLIENT_CONFIG": "/parent.toml"}
+    child = ks.load({**inherited, **env})  # what the child process loads
+    assert child.password == PW and child.username == "alice" and child.password_file == pw_file
+    assert ks.child_env(child)["DORA_KAFKA_SASL_PASSWORD_FILE"] == str(pw_file)  # passed on as is
+
+
+def test_write_client_config_round_trips(tmp_path: Path) -> None:
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(PW)
+    sec = ks.ClientSecurity("SASL_SSL", username="admin", password=PW, ca_file=tmp_path / "ca.pem",
+                            password_file=pw_file)
+    path = ks.write_client_config(tmp_path / "client.toml", sec)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and PW not in path.read_text()
+    assert ks.load({"DORA_KAFKA_CLIENT_CONFIG": str(path)}) == sec
+
+
+def test_current_is_cached_and_using_overrides(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for var in (*ks.ENV_VARS.values(), "DORA_KAFKA_CLIENT_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    ks.current.cache_clear()
+    try:
+        assert ks.current() is ks.current() and not ks.current().secure
+        other = ks.ClientSecurity("SASL_SSL", username="bob", password=PW, ca_file=tmp_path / "ca.pem")
+        with ks.using(other):
+            assert ks.client_config("h:1")["sasl.username"] == "bob"
+        assert "sasl.username" not in ks.client_config("h:1")
+    finally:
+        ks.current.cache_clear()
+
+
+def test_redaction_filter_scrubs_log_records(caplog: pytest.LogCaptureFixture) -> None:
+    ks.RedactSecrets.install(PW)
+    caplog.handler.addFilter(ks.RedactSecrets._shared)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("dora_rl.test").info("config %s", {"sasl.password": PW})
+    assert PW not in caplog.text and "***" in caplog.text
+
+
+def test_role_grants_follow_the_catalogue() -> None:
+    writes = {r: {g.name for g in role_grants(r) if g.operation == "WRITE" and g.resource == "TOPIC"} for r in ROLES}
+    for spec in catalogue():
+        for w in spec.writers:
+            if w in writes:
+                assert spec.name in writes[w], (w, spec.name)
+    assert writes["scorer"] == {"dora.rollout.scored", "dora.dlq", "dora.metrics", "dora.state"}
+    assert writes["launcher"] == {"dora.runs", "dora.dlq"} and writes["operator"] == {"dora.dlq"}
+    txn = {r for r in ROLES if any(g.resource == "TRANSACTIONAL_ID" for g in role_grants(r))}
+    assert txn == {"dataset", "orchestrator", "scorer", "assembler", "trainer"}
+    with pytest.raises(ValueError, match="unknown DORA role"):
+        role_grants("root")
+
+
+def test_broker_material_is_private_and_reused(tmp_path: Path) -> None:
+    sec = BrokerSecurity(hosts=("127.0.0.1", "10.1.2.3"))
+    m = sec.materialize(tmp_path / "sec")
+    for f in (m.keystore_file, m.admin_password_file, m.directory / "ca.key", m.client_config_file):
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+    assert stat.S_IMODE(os.stat(m.directory).st_mode) == 0o700
+    assert m.admin_password not in repr(m) and m.controller_password not in repr(m)
+    assert "BEGIN PRIVATE KEY" in m.keystore_file.read_text()  # PKCS#8, as Kafka's PEM store needs
+    first = m.keystore_file.read_bytes()
+    again = sec.materialize(tmp_path / "sec")
+    assert again == m and again.keystore_file.read_bytes() == first
+    grown = sec.with_hosts("10.9.9.9").materialize(tmp_path / "sec")  # a new host: new cert, same CA
+    assert grown.keystore_file.read_bytes() != first
+    assert grown.admin_password == m.admin_password
+    props = m.server_properties("127.0.0.1", 1, 2)
+    assert props["allow.everyone.if.no.acl.found"] == "false" and props["super.users"] == "User:admin;User:controller"
