@@ -61,9 +61,6 @@ TRANSACTIONAL_PREFIX = "dora."
 """Transactional ids are ``dora.<run>.<role>`` (streams/kafka_runtime.py, dataset, trainer)."""
 TRANSACTIONAL_ROLES = frozenset({"dataset", "orchestrator", "scorer", "assembler", "trainer"})
 OPERATOR_TOOLS = ("monitor", "audit", "replay", "runs", "bench")
-EXTRA_WRITES: dict[str, tuple[str, ...]] = {"trainer": (topics.RUNS,)}
-"""Writes the catalogue does not declare yet: a trainer records its run FINISHED when no launcher does
-(``consumers/trainer/role.py``, ``record_finished``)."""
 ROLES: tuple[str, ...] = (*topics.ROLE_NAMES, "launcher", "operator")
 """What :meth:`SecurityAdmin.grant_role` accepts: every role of a run, ``launcher`` (``dora-rl run``/
 ``resume``: records runs, creates topics) and ``operator`` (monitor, audit, replay, runs, bench)."""
@@ -88,9 +85,9 @@ def role_grants(role: str) -> tuple[Grant, ...]:
 
     Every principal: READ on groups ``dora*`` (its run's groups, the readers' ``dora-reader-*``, …) and READ
     on topics ``dora.*`` (which implies DESCRIBE: metadata, offsets). Reads are not narrowed per topic: a
-    role reads several run-scoped topics, some beyond the catalogue's readers list, which is documentation
-    (e.g. a rollout instance reads ``dora.instances`` to claim its index). Writes: WRITE on exactly the
-    topics whose catalogue ``writers`` name the role, plus :data:`EXTRA_WRITES` (one missing grant fails
+    role reads several run-scoped topics (every role reads ``dora.runs``; an instance reads ``dora.instances``
+    to claim its index) and a prefix keeps the grant stable as the catalogue grows. Writes: WRITE on exactly the
+    topics whose catalogue ``writers`` name the role (one missing grant fails
     that role with TOPIC_AUTHORIZATION_FAILED). Transactional roles: WRITE on transactional ids ``dora.*``.
     Idempotence needs no IDEMPOTENT_WRITE since Kafka 3.0 (WRITE on a topic implies it).
     """
@@ -106,7 +103,7 @@ def role_grants(role: str) -> tuple[Grant, ...]:
                 Grant("TOPIC", TOPIC_PREFIX, "PREFIXED", "ALTER")]
     else:
         writers = {role}
-    names = [s.name for s in topics.catalogue() if writers & set(s.writers)] + list(EXTRA_WRITES.get(role, ()))
+    names = [s.name for s in topics.catalogue() if writers & set(s.writers)]
     out += [Grant("TOPIC", name, "LITERAL", "WRITE") for name in dict.fromkeys(names)]
     if role in TRANSACTIONAL_ROLES:
         out.append(Grant("TRANSACTIONAL_ID", TRANSACTIONAL_PREFIX, "PREFIXED", "WRITE"))

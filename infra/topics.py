@@ -215,7 +215,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "`dora.rollout.trajectories`. Default topic of `dora-rl replay`."),
         TopicSpec(INSTANCES, 1, "dora.v1.InstanceStatus",
                   "rollout instance heartbeats: loaded version, state, in-flight, busy time",
-                  writers=("rollout",), readers=("orchestrator", "run", "monitor", "audit", "bench"),
+                  writers=("rollout",), readers=("orchestrator", "rollout", "run", "monitor", "audit", "bench"),
                   key="v<loaded_version:010d>/<instance_id>", partitioning="single",
                   retention_ms=day,
                   notes="The key holds version 0 before the first load. Not compacted, on purpose: the "
@@ -270,7 +270,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "(producers/rollout/poison.py). A restarted role reads its latest record backwards "
                         "from the end (infra/snapshots.py, docs/decisions/0015)."),
         TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle: config, start offsets, state, summary",
-                  writers=("run",), readers=(*ROLE_NAMES, "monitor", "audit", "replay", "runs", "bench"),
+                  writers=("run", "trainer"), readers=(*ROLE_NAMES, "monitor", "audit", "replay", "runs", "bench"),
                   key="run/<run_id>", partitioning="single", retention_ms=None, cleanup="compact",
                   max_message_bytes=8 * MIB,
                   notes="Compacted by run id: the latest record of each run is kept. Every role, tool and "

@@ -58,7 +58,7 @@ def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, see
                     start: dict[int, int] | None = None) -> int:
     """Write the prompts not written yet, in one transaction; returns how many were written."""
     producer = RecordProducer(bootstrap, f"dataset-{run_id}", **{"transactional.id": f"dora.{run_id}.dataset"})
-    producer.raw.init_transactions(60)
+    producer.init_transactions(60)
     have = prompts_written(bootstrap, run_id, start or {})
     if have >= count:
         return 0

@@ -97,7 +97,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}", **{"transactional.id": f"dora.{run_id}.trainer"})
-    producer.raw.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
+    producer.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
     model, tok = load_policy(resolve_model(config.model, config.seed))

@@ -10,7 +10,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, consumer_config
+from dora_rl.infra.kafka_io import DeadLetters, consumer_config, is_record
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RolloutRequest
 
@@ -38,7 +38,7 @@ class RequestReader:
     def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:
         out: list[tuple[int, RolloutRequest]] = []
         for msg in self.consumer.consume(500, timeout):
-            if msg.error() is not None:
+            if not is_record(msg):  # EOF or a retriable error; a security or fatal error raises
                 continue
             self.next_offset = (msg.offset() or 0) + 1
             try:

@@ -42,6 +42,7 @@ from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
+from dora_rl.infra.kafka_security import KafkaSecurityError
 from dora_rl.infra.keys import make_key, partition_for
 from dora_rl.infra.weight_sync import Fetcher
 from dora_rl.infra.weights.protocol import WeightFetchError
@@ -226,6 +227,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         try:
             eng.generate([_gen_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
                          on_finish=inst.on_finish)
+        except KafkaSecurityError as exc:  # a send from a callback was refused: the role's fault, not the input's
+            gen_error.append(exc)
         except Exception as exc:  # the engine failed on some input: retry its unfinished requests (poison)
             with inst.lock:
                 failed = sorted(rid for rid in inst.call_ids if rid in inst.pending)
