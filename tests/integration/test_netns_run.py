@@ -7,7 +7,12 @@ address (``--bind-host``), instances with ``--index auto``. Checked: the run fin
 audit passes, every announced weight holder is a namespace address (never loopback), and each
 instance fetched weights across namespaces over the configured channel, with the route recorded:
 UCX restricted to its network transport (``ucx/net TLS=tcp NET_DEVICES=eth0``: no shared memory, no
-cma across namespaces, since host ids differ per network namespace) in the PLAINTEXT run.
+cma across namespaces, since host ids differ per network namespace) in the PLAINTEXT run, TCP in the
+SASL_SSL run. The SASL_SSL run gives every role its own SCRAM user holding only its ACLs (derived from
+the topic catalogue); against the same broker a role with a wrong password fails within 30 s with
+``_AUTHENTICATION`` and a role without its ACLs fails with ``TOPIC_AUTHORIZATION_FAILED``; then every
+log, the run's files (its recorded config included) and every record of the run on every topic are
+searched for each password and the weight token: none is found.
 Needs root (namespaces): with ``CI=true`` a missing capability fails, elsewhere it skips with the reason.
 """
 
@@ -17,8 +22,9 @@ import json
 import os
 import re
 import subprocess
-import sys
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from multihost import STREAM_ROLES, claimed_indices, create_run, role_argv, run_
 from run_helpers import wait_for
 
 pytestmark = pytest.mark.broker
+ROLES = ("dataset", "orchestrator", "rollout", "scorer", "assembler", "trainer")
 HOSTS = ("broker", "trainer", "streams", "rollout-a", "rollout-b")
 BROKER_PORT = 19092
 CONFIG: dict[str, Any] = {"mode": "dora", "max_staleness": 1, "steps": 4, "train_batch_size": 16,
@@ -47,40 +54,42 @@ def lab() -> Iterator[Any]:
         yield built
 
 
-def start_broker(lab: Any, data_dir: Path, extra: str = "") -> str:
-    """A broker inside the ``broker`` namespace, listening on its address; returns the bootstrap."""
-    ip = lab.ip("broker")
-    code = ("from dora_rl.infra.broker import LocalBroker; "
-            f"LocalBroker({str(data_dir)!r}, port={BROKER_PORT}, host={ip!r}{extra}).start()")
-    res = lab.run("broker", [sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    return f"{ip}:{BROKER_PORT}"
+def start_broker(lab: Any, data_dir: Path, security: Any = None) -> Any:
+    """A broker inside the ``broker`` namespace, listening on its address (PLAINTEXT or SASL_SSL)."""
+    from dora_rl.infra.broker import LocalBroker
+
+    broker = LocalBroker(data_dir, port=BROKER_PORT, host=lab.ip("broker"), security=security,
+                         launch_prefix=lab.prefix("broker"))
+    broker.start()
+    return broker
 
 
 def run_across_namespaces(lab: Any, bootstrap: str, tmp_path: Path, dora_home: Path, config: dict[str, Any],
-                          env: dict[str, str] | None = None) -> tuple[str, Path]:
-    """Create the run from here, start every role in its namespace, wait for FINISHED; (run id, logs)."""
+                          env_for: Callable[[str], dict[str, str]] = lambda role: {}) -> tuple[str, Path]:
+    """Create the run from here, start every role in its namespace, wait for FINISHED; (run id, logs).
+    ``env_for(role)`` adds a role's environment (``launcher`` for ``dora-rl create``)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config))
-    base = dict(env or os.environ, PYTHONUNBUFFERED="1")
+    base = dict(os.environ, PYTHONUNBUFFERED="1")
     base.pop("DORA_WEIGHT_TOKEN", None)
-    run_id = create_run(bootstrap, cfg, base)
+    run_id = create_run(bootstrap, cfg, {**base, **env_for("launcher")})
     base["DORA_WEIGHT_TOKEN_FILE"] = str(dora_home / "runs" / run_id / "weight-token")
     logs = tmp_path / "logs"
     logs.mkdir(exist_ok=True)
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def spawn(host: str, name: str, argv: list[str]) -> None:
-        procs[name] = lab.popen(host, [*argv, "--bind-host", lab.ip(host)], env=base,
+    def spawn(host: str, name: str, role: str, argv: list[str]) -> None:
+        procs[name] = lab.popen(host, [*argv, "--bind-host", lab.ip(host)], env={**base, **env_for(role)},
                                 stdout=(logs / f"{name}.log").open("ab"), stderr=subprocess.STDOUT)
 
     try:
         for host in ("rollout-a", "rollout-b"):
-            spawn(host, host, role_argv("rollout", bootstrap, run_id, "--index", "auto", "--instance-name", host))
+            spawn(host, host, "rollout", role_argv("rollout", bootstrap, run_id, "--index", "auto",
+                                                   "--instance-name", host))
         for role in STREAM_ROLES:
-            spawn("streams", role, role_argv(role, bootstrap, run_id))
-        spawn("trainer", "trainer", role_argv("trainer", bootstrap, run_id))
-        spawn("streams", "dataset", role_argv("dataset", bootstrap, run_id))
+            spawn("streams", role, role, role_argv(role, bootstrap, run_id))
+        spawn("trainer", "trainer", "trainer", role_argv("trainer", bootstrap, run_id))
+        spawn("streams", "dataset", "dataset", role_argv("dataset", bootstrap, run_id))
 
         def finished() -> bool:
             dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
@@ -121,12 +130,93 @@ def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> 
 
 def test_a_dora_run_across_network_namespaces_with_ucx_on_its_network_path(
         lab: Any, tmp_path: Path, dora_home: Path) -> None:
-    from dora_rl.infra.broker import LocalBroker
-
-    bootstrap = start_broker(lab, tmp_path / "broker")
+    broker = start_broker(lab, tmp_path / "broker")
     try:
-        run_id, logs = run_across_namespaces(lab, bootstrap, tmp_path, dora_home, CONFIG)
-        fetches = check_run(lab, bootstrap, run_id, logs, "via ucx/net TLS=tcp NET_DEVICES=eth0")
-        print("\n".join(fetches))  # the measured cross-namespace fetches (GB/s), for the log of the test run
+        run_id, logs = run_across_namespaces(lab, broker.bootstrap_servers, tmp_path, dora_home, CONFIG)
+        fetches = check_run(lab, broker.bootstrap_servers, run_id, logs, "via ucx/net TLS=tcp NET_DEVICES=eth0")
+        print("\n".join(fetches))  # the measured cross-namespace fetches (GB/s), in the test run's output
     finally:
-        LocalBroker.attach(tmp_path / "broker").stop()
+        broker.stop()
+
+
+def test_the_same_run_with_sasl_ssl_per_role_users_and_acls_and_no_secret_anywhere(
+        lab: Any, tmp_path: Path, dora_home: Path) -> None:
+    from dora_rl.infra import kafka_security as ks
+    from dora_rl.infra.broker import BrokerSecurity
+
+    broker = start_broker(lab, tmp_path / "broker", BrokerSecurity(hosts=(lab.ip("broker"),)))
+    bootstrap, ca = broker.bootstrap_servers, broker.secrets.ca_file
+    passwords = {role: f"{role}-{uuid.uuid4().hex}" for role in (*ROLES, "launcher", "operator")}
+    users = {role: ks.ClientSecurity("SASL_SSL", username=f"dora-{role}", password=pw, ca_file=ca)
+             for role, pw in passwords.items()}
+    secret_dir = tmp_path / "secrets"
+    envs = {role: ks.child_env(sec, secret_dir / role) for role, sec in users.items()}
+    try:
+        admin = broker.admin()
+        for role, sec in users.items():
+            admin.create_user(str(sec.username), passwords[role])
+            admin.grant_role(f"User:{sec.username}", role)
+        with ks.using(users["operator"]):  # this process (the operator's tools: state, audit, reads)
+            run_id, logs = run_across_namespaces(lab, bootstrap, tmp_path, dora_home,
+                                                 {**CONFIG, "weight_transport": "tcp"}, lambda role: envs[role])
+            fetches = check_run(lab, bootstrap, run_id, logs, "via tcp 10.")
+        print("\n".join(fetches))
+
+        wrong = ks.ClientSecurity("SASL_SSL", username="dora-scorer", password=f"wrong-{uuid.uuid4().hex}", ca_file=ca)
+        for name, role, sec, code in (("wrong-password", "scorer", wrong, "_AUTHENTICATION"),
+                                      ("no-acl", "rollout", users["operator"], "TOPIC_AUTHORIZATION_FAILED")):
+            t0 = time.monotonic()
+            res = lab.run("rollout-a" if role == "rollout" else "streams",
+                          role_argv(role, bootstrap, run_id, "--index", "auto" if role == "rollout" else "0"),
+                          env={**os.environ, **ks.child_env(sec, secret_dir / name)}, capture_output=True, text=True,
+                          timeout=60)
+            took = time.monotonic() - t0
+            (logs / f"{name}.log").write_text(res.stdout + res.stderr)
+            assert res.returncode != 0 and code in res.stdout + res.stderr, (name, (res.stdout + res.stderr)[-3000:])
+            assert took < 30, f"{name}: failed after {took:.1f}s, not within 30 s"
+            passwords[name] = str(sec.password)
+
+        token = (dora_home / "runs" / run_id / "weight-token").read_text().strip()
+        planted = logs / "planted-control.log"  # the search must find a secret that is there
+        planted.write_text(f"control line {passwords['trainer']}\n")
+        with ks.using(users["operator"]):
+            found = find_secrets([*passwords.values(), token], run_id, bootstrap,
+                                 [logs, broker.data_dir, dora_home / "runs" / run_id],
+                                 keep_out={dora_home / "runs" / run_id / "weight-token"})
+        assert any(str(planted) in f for f in found), f"the search missed the planted secret: {found}"
+        leaks = [f for f in found if str(planted) not in f]
+        assert not leaks, leaks
+    finally:
+        broker.stop()
+
+
+def find_secrets(secrets: list[str], run_id: str, bootstrap: str, roots: list[Path], keep_out: set[Path]) -> list[str]:
+    """Where any secret occurs: every log (``*.log*``) and every file of the run's directory under ``roots``
+    (the secret stores themselves, ``keep_out`` and the broker's ``security/``, excepted), and every record
+    (key, value, headers) of the run on every topic of the catalogue."""
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+
+    needles = [s.encode() for s in secrets if s]
+    found: list[str] = []
+    files = 0
+    for root in roots:
+        for path in root.rglob("*"):
+            if not path.is_file() or path in keep_out or "security" in path.parts or path.name == "server.properties":
+                continue
+            if root.name == "broker" and ".log" not in path.name:
+                continue  # the broker's data files are the topics, searched below through Kafka
+            data = path.read_bytes()
+            files += 1
+            found += [f"{path}: secret #{i}" for i, n in enumerate(needles) if n in data]
+    start = offsets_map(get_run(bootstrap, run_id))
+    records = 0
+    for spec in topics.catalogue():
+        for msg in read_all(bootstrap, spec.name, {p: o for (t, p), o in start.items() if t == spec.name}):
+            records += 1
+            blob = (msg.key() or b"") + (msg.value() or b"") + b"".join(v or b"" for _, v in (msg.headers() or []))
+            found += [f"{spec.name}@{msg.partition()}:{msg.offset()}: secret #{i}"
+                      for i, n in enumerate(needles) if n in blob]
+    assert files > 10 and records > 100, f"searched too little to mean anything: {files} files, {records} records"
+    return found
