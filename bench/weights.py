@@ -8,6 +8,8 @@ processes over 127.0.0.1 and prints GB/s (1e9 B/s) for:
 - ``ucx-tcp``: the UCX channel's network path (tls=tcp, put_zcopy rendezvous), forced on one host;
 - ``ucx``: the UCX channel as configured by default: same-host peers use cross-memory attach
   (one copy, made by the fetcher), other hosts the network path;
+- ``<kind>@s<N>``: that channel with ``N`` parallel streams per fetch (without: the client's default,
+  ``fetcher.DEFAULT_STREAMS``), swept at 500 MB;
 
 each with ratio channel/raw, the holder's and fetcher's CPU seconds per GB split by thread (where the
 time goes), a UCX configuration sweep at 500 MB, and a fan-out at 500 MB: 1 holder -> 4 fetchers at
@@ -54,6 +56,14 @@ UCX_VARIANTS: dict[str, dict[str, Any]] = {
     "ucx-tcp-1-holder-worker": {"same_host_tls": None, "holder_workers": 1},  # fan-out only
 }
 MAIN = ["raw", "tcp", "ucx-tcp", "ucx"]
+STREAM_SWEEP = ["tcp@s1", "ucx-tcp@s1", "ucx@s1"]  # one stream per fetch, against MAIN's default
+
+
+def split_kind(kind: str) -> tuple[str, int | None]:
+    """``"tcp@s2"`` -> ``("tcp", 2)``: the channel kind (its holder) and the fetcher's streams (None:
+    the client's default)."""
+    base, sep, n = kind.partition("@s")
+    return base, (int(n) if sep else None)
 
 
 def transformer_shapes(total_bytes: int, exact: bool | None = None) -> dict[str, tuple[int, ...]]:
@@ -127,15 +137,18 @@ def _client(kind: str) -> Any:
     from dora_rl.infra.weights import make_weight_client
     from dora_rl.infra.weights.ucx import UcxOptions
 
-    if kind == "tcp":
-        return make_weight_client("tcp", TOKEN)
-    return make_weight_client("ucx", TOKEN, options=UcxOptions(**UCX_VARIANTS[kind]))
+    base, streams = split_kind(kind)
+    extra: dict[str, Any] = {} if streams is None else {"streams": streams}
+    if base == "tcp":
+        return make_weight_client("tcp", TOKEN, **extra)
+    return make_weight_client("ucx", TOKEN, options=UcxOptions(**UCX_VARIANTS[base]), **extra)
 
 
 def _server(kind: str) -> Any:
     from dora_rl.infra.weights import make_weight_server
     from dora_rl.infra.weights.ucx import UcxOptions
 
+    kind = split_kind(kind)[0]
     if kind == "tcp":
         return make_weight_server("tcp", TOKEN, host=HOST)
     return make_weight_server("ucx", TOKEN, host=HOST, options=UcxOptions(**UCX_VARIANTS[kind]))
@@ -201,7 +214,7 @@ def holder_main(conn: Any, kinds: list[str]) -> None:
             manifest, buckets = pack_state_dict(sd, version=version)
             pack_s = time.perf_counter() - t0
             del sd
-            servers = {k: _server(k) for k in kinds}
+            servers = {k: _server(k) for k in dict.fromkeys(split_kind(k)[0] for k in kinds)}
             for s in servers.values():
                 s.serve_packed(manifest, buckets)
             addr, raw_sock = _raw_server(buckets)
@@ -367,7 +380,7 @@ def measure(
     if kind == "raw":
         r = fetcher.call("raw", addrs["raw"], *([raw_opts] if raw_opts is not None else []))
     else:
-        r = fetcher.call("fetch", kind, [addrs[kind]])
+        r = fetcher.call("fetch", kind, [addrs[split_kind(kind)[0]]])
     r["holder_cpu_split"] = holder.call("cpu")
     r["fetcher_cpu_split"] = fetcher.call("cpu")
     r["holder_cpu"] = r["holder_cpu_split"]["total"]
@@ -384,7 +397,7 @@ def point_to_point(sizes: list[int], reps: int, sweep_reps: int) -> dict[str, An
         manifest, addrs, pack_s = holder.call("build", size_req, 1)
         size = manifest["total_bytes"]
         fetcher.call("prepare", manifest)
-        sweep = [k for k in UCX_VARIANTS if k not in MAIN and "holder-worker" not in k]
+        sweep = [k for k in UCX_VARIANTS if k not in MAIN and "holder-worker" not in k] + STREAM_SWEEP
         names = MAIN + (sweep if size_req == 500_000_000 else [])
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
         for k in names:  # warm-up: connections, UCX wireup, page tables
@@ -445,20 +458,19 @@ def fan_out(size_req: int, kinds: list[str], n: int = 4, reps: int = 5, spawn: A
         f.call("prepare", manifest)
     out: dict[str, Any] = {"bytes": size}
     for kind in kinds:
+        source = addrs[split_kind(kind)[0]]
         peers = [f.call("server", kind) for f in fetchers]  # long-lived, like a rollout instance's
-        fetchers[0].call("fetch", kind, [addrs[kind]])  # warm-up
-        single = statistics.median(
-            fetchers[0].call("fetch", kind, [addrs[kind]])["seconds"] for _ in range(3)
-        )
+        fetchers[0].call("fetch", kind, [source])  # warm-up
+        single = statistics.median(fetchers[0].call("fetch", kind, [source])["seconds"] for _ in range(3))
         concurrent, p2p = [], []
         for _ in range(reps):
             for f in fetchers:
-                f.conn.send(("fetch", kind, [addrs[kind]]))
+                f.conn.send(("fetch", kind, [source]))
             rs = [f.conn.recv() for f in fetchers]
             concurrent.append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
             # peer-to-peer tree: every holder (the trainer, then each fetcher that finished) serves
             # one waiting fetcher per round; the others are fallbacks (least loaded first)
-            holders, waiting, t0 = [addrs[kind]], list(range(n)), time.monotonic()
+            holders, waiting, t0 = [source], list(range(n)), time.monotonic()
             while waiting:
                 batch, waiting = waiting[: len(holders)], waiting[len(holders) :]
                 for i, h in zip(batch, holders, strict=False):
@@ -534,6 +546,9 @@ def main() -> None:
         "host": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "python": sys.version.split()[0]},
         "ucx_variants": {k: {kk: str(vv) for kk, vv in v.items()} for k, v in UCX_VARIANTS.items()},
     }
+    from dora_rl.infra.weights.fetcher import DEFAULT_STREAMS
+
+    result["default_streams"] = DEFAULT_STREAMS
     try:
         import ucxx
 

@@ -11,13 +11,15 @@ Fetch algorithm (:meth:`WeightClient.fetch`), invariants:
 
 1. Holders are asked for their load (``status``) and tried in increasing ``active_transfers``
    (ties: the caller's order); holders that are unreachable, refuse, or lack the version are noted
-   and skipped.
+   and skipped. The buckets move over up to ``streams`` connections at once (byte-balanced groups,
+   spread over the holders tied at the lowest load; ``fetcher.py``).
 2. Every request carries the run's token; a holder refuses a wrong one and sends no weight byte
    (``file``: no holder process checks it; the directory's permissions are the access control).
 3. A holder's reply names the version it serves; any other version than the one asked for is refused.
 4. Each bucket is checked against the checksum of the *manifest* (the announcement), not against what
    the holder claims; a corrupt bucket, a truncated stream or a dead holder makes the fetcher refuse
-   those buckets and ask the next holder for exactly the buckets still missing.
+   those buckets and ask the next holder for exactly the buckets still missing (a holder that failed
+   one stream gets no further stream of that fetch).
 5. The fetch succeeds only when every bucket passed its checksum, else :class:`WeightFetchError`
    lists every holder's reason. With ``into`` the result is ``into`` itself, overwritten in place.
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .fetcher import FetchStats, WeightClient
+from .fetcher import DEFAULT_STREAMS, FetchStats, WeightClient
 from .holder import WeightServer
 from .manifest import DEFAULT_BUCKET_BYTES
 from .protocol import Transport, TransportUnavailableError, WeightFetchError
@@ -83,9 +85,12 @@ def make_weight_server(
     )
 
 
-def make_weight_client(kind: str, token: str, **transport_options: Any) -> WeightClient:
-    """A fetcher using transport ``kind`` (``"ucx"``, ``"tcp"`` or ``"file"``)."""
-    return WeightClient(_make_transport(kind, **transport_options), token)
+def make_weight_client(
+    kind: str, token: str, streams: int = DEFAULT_STREAMS, **transport_options: Any
+) -> WeightClient:
+    """A fetcher using transport ``kind`` (``"ucx"``, ``"tcp"`` or ``"file"``), fetching over up to
+    ``streams`` connections at once (``fetcher.py``)."""
+    return WeightClient(_make_transport(kind, **transport_options), token, streams=streams)
 
 
 __all__ = [

@@ -1,15 +1,34 @@
-"""Fetcher side of the weight channel: pull a version from the least-loaded holder, bucket by bucket.
+"""Fetcher side of the weight channel: pull a version from the least-loaded holders, over parallel streams.
 
-See ``channel.py`` for the algorithm and its invariants; this module implements it.
+See ``channel.py`` for the algorithm and its invariants; this module implements it, ``streams.py`` runs
+each connection. A fetch cuts the buckets into ``streams`` byte-balanced groups (fewer when there are
+fewer buckets) and fetches them at once, one connection each (one connection keeps one core busy
+over veth / loopback, where the kernel's receive path runs on the sender's core). Smaller groups
+taken in rounds, to even out the streams' ends, were measured no faster (bench/weights_netns.py
+machinery, 500 MB and 2 GB), so a group is a stream's whole share.
+
+- the first streams go to the least-loaded holders (with ``probe_load``: every holder tied at the
+  lowest ``active_transfers``, round robin; without it: the caller's first holder);
+- a stream that fails (unreachable, refused, died, truncated, or any bucket failing its checksum)
+  drops its holder from this fetch: the buckets it did not deliver intact are cut into groups again
+  and queued, and every group started afterwards goes to the first holder (least loaded first) not
+  dropped, while at most ``streams`` run. So a bucket is never asked again of a holder that failed
+  it, and the fetch ends once every bucket was verified or every holder dropped;
+- concurrency: streams share no mutable state (each returns a ``StreamResult``); only the caller's
+  thread merges them (``done``, notes, routes, CPU, contacted holders), and a bucket belongs to at
+  most one running stream, so no two streams write the same destination;
+- ``FetchStats``: ``holders`` = holders that delivered a verified bucket, in the order they were first
+  given a stream; ``refetched_buckets`` = buckets verified after an earlier stream that had started
+  sending them failed them; ``bytes_received`` = bytes of the streams that completed.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,17 +36,20 @@ import numpy as np
 import torch
 
 from .manifest import WeightManifest
-from .plan import ReceivePlan, Segment, request_segments
+from .plan import ReceivePlan
 from .protocol import (
     PROTO,
-    HolderFailed,
     HolderRefused,
     Transport,
     WeightChannelError,
     WeightFetchError,
 )
+from .streams import StreamResult, run_stream, split_buckets
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STREAMS = 2
+"""Connections per fetch (measured: bench/weights_netns.py; one connection keeps one core busy)."""
 
 
 @dataclass(frozen=True)
@@ -57,58 +79,19 @@ def check_token(token: str) -> str:
     return token
 
 
-class _Verifier:
-    """Hashes received segments on a thread of its own (overlapping the next receive), in order;
-    commits each bucket whose checksum matches the manifest, records the others as bad."""
-
-    def __init__(self, plan: ReceivePlan, segs: list[Segment], done: set[int], bad: list[int]) -> None:
-        self._plan, self._segs, self._done, self._bad = plan, segs, done, bad
-        self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self.cpu_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="weights-verify", daemon=True)
-        self._thread.start()
-
-    def push(self, i: int) -> None:
-        self._q.put(i)
-
-    def _run(self) -> None:
-        m = self._plan.manifest
-        h = self._plan.hasher()
-        t0 = time.thread_time()
-        try:
-            while (i := self._q.get()) is not None:
-                seg = self._segs[i]
-                h.update(self._plan.dest(seg))
-                last = i + 1 == len(self._segs) or self._segs[i + 1].bucket != seg.bucket
-                if last:
-                    if h.hexdigest() == m.buckets[seg.bucket].checksum:
-                        self._plan.commit(seg.bucket)
-                        self._done.add(seg.bucket)
-                    else:
-                        self._bad.append(seg.bucket)
-                    h = self._plan.hasher()
-        except BaseException as e:  # surfaced by finish()
-            self._error = e
-        self.cpu_seconds = time.thread_time() - t0
-
-    def finish(self, timeout: float = 60.0) -> None:
-        self._q.put(None)
-        self._thread.join(timeout)
-        if self._error is not None:
-            raise self._error
-
-
 class WeightClient:
-    """A fetcher: pulls versions from holders (see the module docstring for the algorithm)."""
+    """A fetcher: pulls versions from holders over up to ``streams`` connections per fetch (see the
+    module docstring for the algorithm). One fetch at a time per client."""
 
-    def __init__(self, transport: Transport, token: str) -> None:
+    def __init__(self, transport: Transport, token: str, streams: int = DEFAULT_STREAMS) -> None:
+        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams must be an int >= 1, got {streams!r}")
         self.kind = transport.kind
+        self.streams = streams
         self._transport = transport
         self._token = check_token(token)
         self.last_stats: FetchStats | None = None
         self._contacted: set[str] = set()
-        self._routes: dict[str, str] = {}
 
     def status(self, holder: str) -> dict[str, Any]:
         """A holder's ``{"active_transfers": int, "versions": [int]}``."""
@@ -122,8 +105,9 @@ class WeightClient:
             raise HolderRefused(f"refused: {reply.get('error')}")
         return reply
 
-    def rank(self, holders: Sequence[str], version: int) -> tuple[list[str], list[str]]:
-        """Holders holding ``version``, least loaded first; plus a note per holder skipped."""
+    def _loads(self, holders: Sequence[str], version: int) -> tuple[list[tuple[int, str]], list[str]]:
+        """``(active_transfers, holder)`` of the holders holding ``version``, least loaded first (ties:
+        the caller's order); plus a note per holder skipped."""
         notes: list[str] = []
         scored: list[tuple[int, int, str]] = []
         for i, h in enumerate(dict.fromkeys(holders)):
@@ -136,7 +120,12 @@ class WeightClient:
                 notes.append(f"{h}: does not hold version {version} (holds {st.get('versions')})")
                 continue
             scored.append((int(st.get("active_transfers", 0)), i, h))
-        return [h for _, _, h in sorted(scored)], notes
+        return [(load, h) for load, _, h in sorted(scored)], notes
+
+    def rank(self, holders: Sequence[str], version: int) -> tuple[list[str], list[str]]:
+        """Holders holding ``version``, least loaded first; plus a note per holder skipped."""
+        loads, notes = self._loads(holders, version)
+        return [h for _, h in loads], notes
 
     def fetch(
         self,
@@ -169,30 +158,36 @@ class WeightClient:
         t0 = time.perf_counter()
         v = manifest.version
         if probe_load:
-            order, notes = self.rank(holders, v)
+            loads, notes = self._loads(holders, v)
+            order = [h for _, h in loads]
+            first = [h for load, h in loads if load == loads[0][0]]
         else:
             order, notes = list(dict.fromkeys(holders)), []
-        done: set[int] = set()
-        used: list[str] = []
-        received = refetched = 0
-        cpu: list[float] = []
-        for h in order:
-            remaining = [b for b in range(len(manifest.buckets)) if b not in done]
-            if not remaining:
-                break
-            bad: list[int] = []
-            before = len(done)
-            try:
-                received += self._fetch_from(h, manifest, plan, remaining, done, bad, cpu)
-            except WeightChannelError as e:
-                notes.append(f"{h}: {e}")
-            if len(done) > before:
-                used.append(h)
-                if len(used) > 1:
-                    refetched += len(done) - before
-            if bad:
-                notes.append(f"{h}: buckets {bad} failed their checksum (refused, fetching them elsewhere)")
-        missing = [b for b in range(len(manifest.buckets)) if b not in done]
+            first = order[:1]
+        run = _Merge(order, notes)
+        queue = deque(split_buckets(manifest, list(range(len(manifest.buckets))), self.streams))
+        running: set[Future[StreamResult]] = set()
+        try:
+            with ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="weights-stream") as pool:
+
+                def start(holder: str) -> None:
+                    run.given(holder)
+                    group = queue.popleft()
+                    running.add(pool.submit(run_stream, self._transport, self._token, holder, manifest, plan, group))
+
+                for j in range(min(self.streams, len(queue)) if first else 0):
+                    start(first[j % len(first)])
+                while running:
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        running.discard(fut)
+                        # a non-channel error propagates here, once the other streams have ended
+                        queue.extend(split_buckets(manifest, run.merge(fut.result()), self.streams))
+                    while queue and len(running) < self.streams and (h := run.alive()) is not None:
+                        start(h)
+        finally:
+            self._contacted |= run.contacted
+        missing = [b for b in range(len(manifest.buckets)) if b not in run.done]
         if missing:
             raise WeightFetchError(
                 f"version {v}: buckets {missing[:8]}{'...' if len(missing) > 8 else ''} could not be fetched "
@@ -200,65 +195,23 @@ class WeightClient:
             )
         for n in notes:
             log.warning("weight fetch v%d: %s", v, n)
+        used = run.used()
         stats = FetchStats(
             version=v,
             kind=self.kind,
             payload_bytes=manifest.total_bytes,
-            bytes_received=received,
+            bytes_received=run.received,
             seconds=time.perf_counter() - t0,
             holders=tuple(used),
             refused=tuple(notes),
-            refetched_buckets=refetched,
-            verify_cpu_seconds=sum(cpu),
-            routes=tuple(self._routes.get(h, "") for h in used),
+            refetched_buckets=run.refetched,
+            verify_cpu_seconds=run.cpu,
+            routes=tuple(run.routes.get(h, "") for h in used),
         )
         self.last_stats = stats
         if on_stats is not None:
             on_stats(stats)
         return plan
-
-    def _fetch_from(
-        self,
-        holder: str,
-        manifest: WeightManifest,
-        plan: ReceivePlan,
-        buckets: list[int],
-        done: set[int],
-        bad: list[int],
-        cpu: list[float],
-    ) -> int:
-        """Fetch ``buckets`` from ``holder``; verified ones go to ``done``, corrupt ones to ``bad``;
-        appends the verifier's CPU seconds to ``cpu``. Returns the bytes received."""
-        conn = self._transport.connect(holder)
-        verifier: _Verifier | None = None
-        try:
-            req = {"proto": PROTO, "token": self._token, "op": "fetch", "version": manifest.version}
-            conn.send_msg({**req, "buckets": buckets, **conn.request_extras()})
-            self._contacted.add(holder)
-            reply = conn.recv_msg()
-            if not reply.get("ok"):
-                raise HolderRefused(f"refused: {reply.get('error')}")
-            if reply.get("version") != manifest.version:
-                raise HolderRefused(
-                    f"answered with version {reply.get('version')!r} but version {manifest.version} "
-                    "was asked for; refused"
-                )
-            if reply.get("buckets") != buckets:
-                raise HolderRefused("answered with other buckets than asked for; refused")
-            self._routes[holder] = conn.route()
-            segs = request_segments(manifest, buckets)
-            verifier = _Verifier(plan, segs, done, bad)
-            conn.send_msg({"go": True})
-            conn.recv_segments([plan.dest(s) for s in segs], verifier.push)
-            trailer = conn.recv_msg()
-            if not trailer.get("done"):
-                raise HolderFailed(f"transfer failed on the holder: {trailer.get('error', trailer)}")
-            return sum(s.nbytes for s in segs)
-        finally:
-            if verifier is not None:
-                verifier.finish()
-                cpu.append(verifier.cpu_seconds)
-            conn.close()
 
     def close(self) -> None:
         """Say goodbye to every holder fetched from (best effort: lets a UCX holder close its cached
@@ -284,3 +237,58 @@ class WeightClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Merge:
+    """The state of one fetch, touched only by its coordinating thread: merges each finished stream
+    and says where the buckets it did not deliver go next (the first holder of ``order`` not dropped)."""
+
+    def __init__(self, order: list[str], notes: list[str]) -> None:
+        self.order, self.notes = order, notes
+        self.done: set[int] = set()
+        self.attempted: set[int] = set()  # buckets a started stream failed to deliver intact
+        self.dropped: set[str] = set()
+        self.dispatched: list[str] = []  # holders in the order they were first given a stream
+        self.delivered: set[str] = set()
+        self.routes: dict[str, str] = {}
+        self.contacted: set[str] = set()
+        self.received = self.refetched = 0
+        self.cpu = 0.0
+
+    def given(self, holder: str) -> None:
+        if holder not in self.dispatched:
+            self.dispatched.append(holder)
+
+    def merge(self, r: StreamResult) -> list[int]:
+        """Account for ``r``; returns its leftover buckets (to fetch elsewhere). A stream that leaves
+        buckets behind drops its holder from this fetch."""
+        if r.contacted:
+            self.contacted.add(r.holder)
+        self.cpu += r.verify_cpu_seconds
+        self.received += r.bytes_received
+        self.refetched += sum(b in self.attempted for b in r.verified)
+        self.done.update(r.verified)
+        if r.verified:
+            self.delivered.add(r.holder)
+            self.routes.setdefault(r.holder, r.route)
+        if r.error is not None:
+            self.notes.append(f"{r.holder}: {r.error}")
+        if r.bad:
+            self.notes.append(f"{r.holder}: buckets {r.bad} failed their checksum (refused, fetching them elsewhere)")
+        left = r.leftover
+        if not left:
+            return []
+        if r.error is None and not r.bad:
+            self.notes.append(f"{r.holder}: buckets {left} did not arrive")
+        if r.started:
+            self.attempted.update(left)
+        self.dropped.add(r.holder)
+        return left
+
+    def alive(self) -> str | None:
+        """The first holder of ``order`` (least loaded first) not dropped; None: every holder failed."""
+        return next((h for h in self.order if h not in self.dropped), None)
+
+    def used(self) -> list[str]:
+        """Holders that delivered at least one verified bucket, in the order they were first used."""
+        return [h for h in self.dispatched if h in self.delivered]

@@ -220,10 +220,10 @@ class FileConn:
         self._replies: deque[dict[str, Any]] = deque()
         self._fetch: tuple[int, list[int], list[int]] | None = None  # version, buckets, their sizes
         self._go = False
+        self._fh: io.FileIO | None = None
 
     def route(self) -> str:
         return f"file {self.directory}"
-        self._fh: io.FileIO | None = None
 
     # the holder's half, answered locally ---------------------------------------------------------
     def _answer(self, req: Mapping[str, Any]) -> dict[str, Any]:

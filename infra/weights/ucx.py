@@ -5,7 +5,8 @@ Design (measured on the 2-core loopback box; figures in bench/weights.py's outpu
 - *Control*: the same framed JSON socket as the ``tcp`` transport (``tcp.py``). The holder checks the
   token there before any UCX endpoint exists, so a wrong token never gets a UCX byte, and the
   listener stays on the configured host (ucxx's own listener binds every interface).
-- *Bulk*: the fetch request carries the fetcher's UCX worker addresses and a random 40-bit tag base;
+- *Bulk*: the fetch request carries the fetcher's UCX worker addresses (one per profile: the lane
+  this connection receives on) and a random 40-bit tag base;
   the holder creates an endpoint to one of them and sends segment ``i`` as one tag message with tag
   ``base << 24 | i`` straight from the bucket buffer; the fetcher posts ``tag_recv`` straight into the
   destination (the target tensor's memory for direct segments). The holder keeps ``window`` sends in
@@ -19,7 +20,10 @@ Design (measured on the 2-core loopback box; figures in bench/weights.py's outpu
   burnt when idle) with *delayed submission* (callers only enqueue, the progress thread posts, so they
   never contend for the worker lock: about -25% CPU per GB measured). A holder spreads its ``net``
   sessions over ``holder_workers`` workers (lanes), so concurrent fetchers do not queue behind one
-  progress thread doing every socket send. Callers use a sync API and wait
+  progress thread doing every socket send; a fetcher likewise spreads its connections (the parallel
+  streams of a fetch) over ``fetcher_workers`` lanes of each profile, round robin, each connection
+  receiving only on its lane's worker (two streams: two progress threads receiving, or making cma
+  copies, at once). Callers use a sync API and wait
   by polling request completion with an exponential back-off (10 us .. 1 ms), watching the control
   socket so a dead peer is noticed at once, plus an I/O timeout (no segment done for ``io_timeout`` s).
 - *Why these settings*: UCX's cost model sees ``lo`` at ~12 MB/s (no link speed), so for messages
@@ -33,7 +37,6 @@ Design (measured on the 2-core loopback box; figures in bench/weights.py's outpu
 from __future__ import annotations
 
 import base64
-import contextlib
 import itertools
 import logging
 import secrets
@@ -45,10 +48,11 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import BulkConn, HolderFailed, peer_gone
+from .protocol import BulkConn, HolderFailed
 from .store import VersionStore
 from .tcp import TcpConn, TcpListener, tcp_connect
 from .ucx_config import UcxOptions, host_id, import_ucxx
+from .ucx_engine import UcxEngine, b64, close_endpoint, leak, wait_request
 
 log = logging.getLogger(__name__)
 
@@ -56,87 +60,6 @@ _TAG_SHIFT = 24
 MAX_CACHED_ENDPOINTS = 64
 ABORT_SETTLE_S = 0.5
 _MAX_SEGMENTS = 1 << _TAG_SHIFT
-
-
-class UcxEngine:
-    """One UCX context + worker + C++ progress thread (blocking mode) for one profile."""
-
-    def __init__(self, options: UcxOptions, profile: str) -> None:
-        api = self.api = import_ucxx()
-        from ucxx._lib.arr import Array
-
-        self.Array = Array
-        self.options = options
-        self.profile = profile
-        self._ctx = api.UCXContext(
-            options.config(profile), feature_flags=(api.Feature.TAG, api.Feature.WAKEUP)
-        )
-        self.worker = api.UCXWorker(self._ctx, enable_delayed_submission=options.delayed_submission)
-        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=options.epoll_timeout_ms)
-        self.address = bytes(self.worker.address)
-        self._closed = False
-
-    def endpoint(self, peer_address: bytes) -> Any:
-        addr = self.api.UCXAddress.create_from_buffer(peer_address)
-        return self.api.UCXEndpoint.create_from_worker_address(self.worker, addr, self.options.error_handling)
-
-    def tag(self, value: int) -> Any:
-        return self.api.UCXXTag(value)
-
-    def has_unexpected(self) -> bool:
-        """True if an unmatched tag message waits in the worker (an aborted fetch's offer)."""
-        probe = self.worker.tag_probe(self.api.UCXXTag(0), self.api.UCXXTagMask(0), False)
-        return bool(probe.matched)
-
-    def close(self, parked: bool = False) -> None:
-        """Stop the progress thread and release the worker.
-
-        With ``parked`` requests still in flight, or an unmatched message waiting, the worker is kept
-        (leaked) until the process exits: ucxx's worker destructor receives every unmatched message
-        with no time bound and spins forever, holding the GIL, when its sender died mid-rendezvous.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        clean = False
-        with contextlib.suppress(Exception):
-            clean = not parked and not self.has_unexpected()
-        with contextlib.suppress(Exception):
-            self.worker.stop_progress_thread()
-        if not clean:
-            log.warning("UCX %s worker kept until exit: a transfer was aborted mid-rendezvous", self.profile)
-            _leak(self)
-
-
-_PARKED: list[Any] = []
-
-
-def _leak(obj: Any) -> None:
-    """Keep ``obj`` alive for the life of the process, even through interpreter finalization."""
-    import ctypes
-
-    _PARKED.append(obj)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
-
-def _wait(req: Any, deadline: float, ctrl: TcpConn, on_ctrl: Callable[[], None]) -> None:
-    """Block until ``req`` completes; call ``on_ctrl`` when the control socket turns readable."""
-    pause = 1e-5
-    last_ctrl = 0.0
-    while not req.completed:
-        now = time.monotonic()
-        if now - last_ctrl > 0.005:
-            last_ctrl = now
-            if peer_gone(ctrl.sock):
-                on_ctrl()
-        if now > deadline:
-            raise HolderFailed("UCX transfer made no progress before the I/O timeout")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-    try:
-        req.check_error()
-    except Exception as e:  # ucxx raises its own exception types (e.g. a peer that died mid-copy)
-        raise HolderFailed(f"UCX transfer failed: {e}") from None
 
 
 class UcxConn:
@@ -150,6 +73,7 @@ class UcxConn:
         self.profile = "net"
         self._ep: Any = None
         self._engine: UcxEngine | None = None
+        self._lanes: dict[str, int] = {}  # fetcher side: profile -> the lane (worker) receiving here
         self._tag_base = 0
         self._pending_msg: dict[str, Any] | None = None
 
@@ -173,11 +97,17 @@ class UcxConn:
 
     # fetcher side ------------------------------------------------------------------------------
     def request_extras(self) -> dict[str, Any]:
+        """The address of this connection's lane of each profile (the holder picks the profile), and
+        every fetcher lane's address (``ucx_lanes``: what a holder forgets on ``bye``)."""
         self._tag_base = secrets.randbits(40) << _TAG_SHIFT
-        addrs = {
-            p: base64.b64encode(self.transport.engine(p).address).decode() for p in self.transport.profiles
+        engines = self.transport.fetcher_engines()
+        self._lanes = self.transport.next_fetcher_lanes()
+        return {
+            "ucx_addresses": {p: b64(engines[(p, lane)].address) for p, lane in self._lanes.items()},
+            "ucx_lanes": [b64(e.address) for e in engines.values()],
+            "ucx_host": self.transport.host,
+            "ucx_tag": self._tag_base,
         }
-        return {"ucx_addresses": addrs, "ucx_host": self.transport.host, "ucx_tag": self._tag_base}
 
     def _ctrl_event_fetcher(self) -> None:
         """Control socket readable mid-transfer: EOF (holder died), or an early trailer / error."""
@@ -191,7 +121,7 @@ class UcxConn:
     def recv_segments(self, dests: Sequence[np.ndarray], on_done: Callable[[int], None]) -> None:
         if len(dests) >= _MAX_SEGMENTS:
             raise ValueError("too many segments for one fetch")
-        engine = self.transport.engine(self.profile)
+        engine = self.transport.engine(self.profile, self._lanes.get(self.profile, 0))
         api, worker, arr = engine.api, engine.worker, engine.Array
         # every receive is posted up front, so each rendezvous offer of the holder (which keeps
         # ``window`` sends in flight) is expected: an aborted fetch leaves no unmatched message
@@ -202,7 +132,7 @@ class UcxConn:
         try:
             while pending:
                 i, req = pending[0]
-                _wait(req, time.monotonic() + self.io_timeout, self.ctrl, self._ctrl_event_fetcher)
+                wait_request(req, time.monotonic() + self.io_timeout, self.ctrl, self._ctrl_event_fetcher)
                 pending.popleft()
                 on_done(i)
         finally:
@@ -229,7 +159,8 @@ class UcxConn:
 
     def forget(self, request: Mapping[str, Any]) -> None:
         try:
-            addrs = [base64.b64decode(str(a)) for a in dict(request["ucx_addresses"]).values()]
+            named = [*dict(request["ucx_addresses"]).values(), *list(request.get("ucx_lanes", []))]
+            addrs = [base64.b64decode(str(a)) for a in named]
         except (KeyError, ValueError, TypeError):
             return
         self.transport.forget(addrs)
@@ -250,7 +181,7 @@ class UcxConn:
                 pending.append((a, self._ep.tag_send(a, engine.tag(self._tag_base | i))))
                 while len(pending) >= window or (i + 1 == len(bufs) and pending):
                     a0, req = pending[0]
-                    _wait(req, time.monotonic() + self.io_timeout, self.ctrl, self._ctrl_event_holder)
+                    wait_request(req, time.monotonic() + self.io_timeout, self.ctrl, self._ctrl_event_holder)
                     pending.popleft()
                     sent += a0.nbytes
         finally:
@@ -267,7 +198,8 @@ class UcxConn:
 
 
 class UcxTransport:
-    """The ``ucx`` kind. Engines (one per profile) are made lazily and shared by all connections."""
+    """The ``ucx`` kind. Engines (one per profile and lane) are made lazily and shared by all
+    connections: a holder's ``lanes(profile)``, a fetcher's ``fetcher_lanes(profile)``."""
 
     kind = "ucx"
     stateful_holders = True  # holders cache an endpoint per fetcher: fetchers say ``bye`` on close
@@ -287,11 +219,12 @@ class UcxTransport:
         self._engines: dict[tuple[str, int], UcxEngine] = {}
         self._eps: OrderedDict[tuple[str, int, bytes], Any] = OrderedDict()
         self._sessions = itertools.count()
+        self._fetcher_conns = itertools.count()
         self._parked: list[tuple[Any, Any]] = []  # (request, buffer) of aborted transfers
         self._lock = threading.Lock()
 
     def engine(self, profile: str, lane: int = 0) -> UcxEngine:
-        """The worker of ``profile`` (a holder has ``holder_workers`` lanes of it)."""
+        """The worker of lane ``lane`` of ``profile`` (made on first use)."""
         with self._lock:
             if (profile, lane) not in self._engines:
                 self._engines[(profile, lane)] = UcxEngine(self.options, profile)
@@ -306,6 +239,21 @@ class UcxTransport:
         """Holder side: the lane (worker) of a new session, round robin."""
         return next(self._sessions) % self.lanes(profile)
 
+    def fetcher_lanes(self, profile: str) -> int:
+        """Fetcher workers of ``profile``: ``fetcher_workers`` for both (``net``: their progress
+        threads do the socket receives; ``local``: they make the cma copies)."""
+        return max(1, self.options.fetcher_workers)
+
+    def next_fetcher_lanes(self) -> dict[str, int]:
+        """Fetcher side: the lane of each profile a new connection receives on, round robin."""
+        n = next(self._fetcher_conns)
+        return {p: n % self.fetcher_lanes(p) for p in self.profiles}
+
+    def fetcher_engines(self) -> dict[tuple[str, int], UcxEngine]:
+        """Fetcher side: every lane of every profile, all made on the first request, so the worker
+        addresses a holder may cache are fixed from then on (and ``bye`` names them all)."""
+        return {(p, i): self.engine(p, i) for p in self.profiles for i in range(self.fetcher_lanes(p))}
+
     def endpoint(self, profile: str, lane: int, address: bytes) -> Any:
         """Holder side: the (cached, LRU of ``MAX_CACHED_ENDPOINTS``) endpoint to a fetcher's worker."""
         engine = self.engine(profile, lane)
@@ -319,7 +267,7 @@ class UcxTransport:
                     evicted.append(self._eps.popitem(last=False)[1])
             self._eps.move_to_end(key)
         for old in evicted:
-            _close_endpoint(old)
+            close_endpoint(old)
         return ep
 
     def forget(self, addresses: list[bytes]) -> None:
@@ -328,7 +276,7 @@ class UcxTransport:
             gone = [k for k in self._eps if k[2] in addresses]
             eps = [self._eps.pop(k) for k in gone]
         for ep in eps:
-            _close_endpoint(ep)
+            close_endpoint(ep)
 
     def park(self, items: list[tuple[Any, Any]], settle: float) -> None:
         """Keep requests of an aborted transfer (and the buffers UCX may still touch) alive; first
@@ -368,16 +316,11 @@ class UcxTransport:
             parked = [(r, b) for r, b in self._parked if not r.completed]
             self._parked = []
         for ep in eps:
-            _close_endpoint(ep)
+            close_endpoint(ep)
         if parked:
-            _leak(parked)
+            leak(parked)
         for e in engines:
             e.close(parked=bool(parked))
-
-
-def _close_endpoint(ep: Any) -> None:
-    with contextlib.suppress(Exception):
-        ep.close_blocking(period=10**9, max_attempts=1)
 
 
 __all__ = ["UcxEngine", "UcxOptions", "UcxTransport", "host_id", "import_ucxx"]

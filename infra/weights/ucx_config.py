@@ -53,6 +53,10 @@ class UcxOptions:
     machines); ``same_host_tls=None`` disables the same-host profile; ``window`` = sends a holder
     keeps in flight per fetch; ``holder_workers`` = ``net`` workers (progress threads) a holder
     spreads its sessions over (1 -> 4 concurrent fetches: 1.2x of 4 serial ones with 1, 0.7x with 2);
+    ``fetcher_workers`` = workers per profile a fetcher spreads its connections (a fetch's parallel
+    streams) over, round robin, so two streams are received by two progress threads (``net``, across
+    namespaces, 500 MB: 2.30 GB/s with 2 vs 2.06 with 1) or copied by two (``local`` cma, loopback:
+    5.6 vs 4.4 GB/s);
     ``epoll_timeout_ms`` bounds how long an idle progress thread sleeps.
     """
 
@@ -64,6 +68,7 @@ class UcxOptions:
     error_handling: bool = False
     window: int = 4
     holder_workers: int = 2
+    fetcher_workers: int = 2
     delayed_submission: bool = True
     epoll_timeout_ms: int = 100
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
