@@ -94,9 +94,10 @@ class IdBalance:
 
 
 def id_balance(first: Mapping[str, Trajectory], trained: Mapping[str, int], groups_refused: Collection[str],
-               ids_refused: Collection[str] = ()) -> IdBalance:
+               ids_refused: Collection[str] = (), reused: Collection[str] = ()) -> IdBalance:
     """Balance of distinct ids: ``first`` (generated id -> its first record), ``trained`` (batched id ->
-    its batched version), the refused group ids and the ids refused one by one (older letters)."""
+    its batched version), the refused group ids and the ids refused one by one (older letters); ``reused``
+    ids (re-fed from another run) are trained without being generated here."""
     out = IdBalance()
     counts: dict[int, dict[str, int]] = defaultdict(lambda: {"generated": 0, "trained": 0, "refused": 0})
     for tid, t in first.items():
@@ -111,7 +112,7 @@ def id_balance(first: Mapping[str, Trajectory], trained: Mapping[str, int], grou
             out.unaccounted.append(tid)
     for tid, v in trained.items():
         counts[v]["trained"] += 1
-        if tid not in first:
+        if tid not in first and tid not in reused:
             out.never_generated.append(tid)
     out.by_version = {v: counts[v] for v in sorted(counts)}
     return out
@@ -122,3 +123,20 @@ def waste(first: Mapping[str, Trajectory], extra: Sequence[Trajectory], refused:
     per id, after a crash) and their response tokens, plus the response tokens of refused ids."""
     tokens = sum(t.num_tokens for t in extra) + sum(first[tid].num_tokens for tid in refused if tid in first)
     return len(extra), tokens
+
+
+def provenance(batches: Iterable[Any]) -> tuple[dict[str, dict[str, int]], set[str]]:
+    """Records a re-fed run reused (``dora-rl replay refeed``): per source run, the batches copied and the
+    trajectories trained from it (a trajectory's own ``provenance``, else its batch's), and the ids of
+    every reused trajectory (generated and dispatched in the source run, not in this one)."""
+    counts: dict[str, dict[str, int]] = {}
+    reused: set[str] = set()
+    for b in batches:
+        if b.provenance is not None:
+            counts.setdefault(b.provenance.source_run_id, {"batches": 0, "trajectories": 0})["batches"] += 1
+        for t in b.trajectories:
+            origin = t.provenance or b.provenance
+            if origin is not None:
+                counts.setdefault(origin.source_run_id, {"batches": 0, "trajectories": 0})["trajectories"] += 1
+                reused.add(t.trajectory_id)
+    return dict(sorted(counts.items())), reused

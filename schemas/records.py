@@ -36,6 +36,11 @@ def nested(cls: type[Record]) -> Any:
     return field(metadata={"nested": cls})
 
 
+def nested_one(cls: type[Record]) -> Any:
+    """Field holding one optional nested record (None: the Avro union's null)."""
+    return field(default=None, metadata={"nested_one": cls})
+
+
 class Record:
     """Base of all records: Avro dict conversion and wire encoding."""
 
@@ -52,6 +57,8 @@ class Record:
                 ).tobytes()
             elif "nested" in f.metadata:
                 out[f.name] = [item.to_avro() for item in value]
+            elif "nested_one" in f.metadata:
+                out[f.name] = None if value is None else value.to_avro()
             elif isinstance(value, tuple):
                 out[f.name] = list(value)
             elif isinstance(value, dict):
@@ -74,6 +81,8 @@ class Record:
                 kwargs[f.name] = None if value is None else np.frombuffer(value, dtype=dtype)
             elif "nested" in f.metadata:
                 kwargs[f.name] = tuple(f.metadata["nested"].from_avro(item) for item in value)
+            elif "nested_one" in f.metadata:
+                kwargs[f.name] = None if value is None else f.metadata["nested_one"].from_avro(value)
             elif isinstance(value, list):
                 kwargs[f.name] = tuple(value)
             else:
@@ -155,6 +164,17 @@ class TokenChunk(Record):
     aborted: bool = False
 
 
+@dataclass(frozen=True)
+class Provenance(Record):
+    """Where a re-fed record was first written (nested in :class:`Trajectory` and :class:`TrainBatch`)."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.Provenance"
+    source_run_id: str
+    source_topic: str
+    source_partition: int
+    source_offset: int
+
+
 @dataclass(frozen=True, eq=False)
 class Trajectory(Record):
     """Written by rollout instances (unscored) and the scorer (scored); read by scorer / assembler.
@@ -185,6 +205,7 @@ class Trajectory(Record):
     token_versions: np.ndarray | None = packed(I64, optional=True)
     reward: float | None = None
     scored_ms: int | None = None
+    provenance: Provenance | None = nested_one(Provenance)
 
     @property
     def num_tokens(self) -> int:
@@ -280,6 +301,7 @@ class TrainBatch(Record):
     max_staleness: int
     created_ms: int
     trajectories: tuple[Trajectory, ...] = nested(Trajectory)
+    provenance: Provenance | None = nested_one(Provenance)
 
     def staleness(self) -> list[int]:
         """``base_version - policy_version`` per trajectory (the rule: :mod:`dora_rl.core.staleness`)."""

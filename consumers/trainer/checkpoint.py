@@ -8,6 +8,12 @@ checksums) together with everything the next update needs: optimizer moments, LR
 and the step. It never announces a version twice with two sets of weights, and never re-applies a
 batch (the step in the checkpoint says which batch comes next).
 
+Replay checkpoints (:func:`save_replayable`, every ``checkpoint_every`` versions, version 0 and the
+last one included, under ``$DORA_HOME/runs/<run>/checkpoints/v<version:06d>/``, never pruned): a
+loadable Hugging Face folder of the policy plus the same ``trainer.pt`` and ``COMPLETE``, so
+:func:`load` restores from either kind and ``dora-rl replay retrain`` re-executes any step from the
+nearest one at or below it (docs/decisions/0020).
+
 Layout: ``<dir>/v<version:06d>-<incarnation>/`` holds ``model.safetensors`` (weights, tied tensors
 once), ``trainer.pt`` (optimizer and scheduler state dicts, step) and ``COMPLETE`` (written last).
 The incarnation (a fresh id per trainer process) keeps a zombie predecessor from ever overwriting a
@@ -52,14 +58,43 @@ def save(root: Path, version: int, incarnation: str, model: torch.nn.Module, opt
     tmp.mkdir(parents=True)
     weights = {k: v.detach().contiguous() for k, v in state_dict_for_transfer(model, clone=False).items()}
     save_file(weights, str(tmp / "model.safetensors"))
+    _commit(tmp, final, version, optimizer, scheduler, step)
+    return final
+
+
+def _commit(tmp: Path, final: Path, version: int, optimizer: torch.optim.Optimizer, scheduler: Any,
+            step: int) -> None:
+    """Add the trainer state and the marker to ``tmp``, make it durable, rename it to ``final``."""
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": int(step),
                 "version": int(version)}, tmp / "trainer.pt")
     (tmp / COMPLETE).write_text(str(version))
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
+    if final.exists():  # a restarted trainer saving a version again: same step, same bytes
+        shutil.rmtree(final)
     tmp.rename(final)
-    _fsync(root)
+    _fsync(final.parent)
+
+
+def replay_dir(root: Path, version: int) -> Path:
+    """Directory of the replay checkpoint of ``version`` under ``root`` (``<run dir>/checkpoints``)."""
+    return root / f"v{version:06d}"
+
+
+def save_replayable(root: Path, version: int, model: torch.nn.Module, tokenizer: Any,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> Path:
+    """Write the replay checkpoint of ``version`` atomically: a Hugging Face folder of the policy (its
+    ``model.safetensors`` holds the same tensors as :func:`save`'s) plus the trainer state; returns it."""
+    final = replay_dir(root, version)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)  # type: ignore[operator]
+    tokenizer.save_pretrained(tmp)
+    if not (tmp / "model.safetensors").exists():
+        raise RuntimeError(f"saving {final}: the policy was written in shards, not as one model.safetensors")
+    _commit(tmp, final, version, optimizer, scheduler, step)
     return final
 
 
@@ -89,3 +124,16 @@ def prune(root: Path, keep_from: int) -> None:
         head = d.name.split("-", 1)[0]
         if head.startswith("v") and head[1:].isdigit() and int(head[1:]) < keep_from:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def complete_versions(root: Path) -> dict[int, Path]:
+    """Every complete checkpoint under ``root`` (either layout) by version; the newest directory wins
+    where one version has several (a restarted trainer's incarnations hold the same bytes)."""
+    out: dict[int, Path] = {}
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime):
+        head = d.name.split("-", 1)[0]
+        if head.startswith("v") and head[1:].isdigit() and (d / COMPLETE).exists():
+            out[int(head[1:])] = d
+    return out

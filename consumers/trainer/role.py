@@ -6,8 +6,11 @@ serves weights over the configured transport.
 
 Lifecycle: build/load the initial policy, optional supervised warm-up, publish version 0; then for
 train step ``k = 0, 1, ...``: take the batch with ``train_step == k`` (a batch of an already-trained
-step is skipped), update, checkpoint version ``k + 1``, announce it. A batch is refused to
-``dora.dlq`` if it violates C3 or has the wrong size.
+step is skipped), update (:func:`.step.train_step`, the one update of a batch, shared with
+``dora-rl replay retrain``), checkpoint version ``k + 1``, announce it. A batch is refused to
+``dora.dlq`` if it violates C3 or has the wrong size. Every ``checkpoint_every`` versions (version 0
+and the last one included) a replay checkpoint (policy, optimizer, schedule) is kept under
+``<run dir>/checkpoints`` (:func:`.checkpoint.save_replayable`).
 
 Crash safety (docs/decisions/0015):
 
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
+from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
 from dora_rl.infra.keys import make_key
@@ -46,8 +49,7 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
 from . import checkpoint
-from .grpo import warmup_cosine_schedule
-from .update import Sample, policy_update
+from .step import build_state, train_step
 
 log = logging.getLogger(__name__)
 COMPONENT = "trainer"
@@ -88,8 +90,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 run_dir: Path, token: str | None = None, stop: Callable[[], bool] = lambda: False) -> None:
     """Train until ``config.steps`` versions exist (or ``stop()``), announcing each version."""
     from dora_rl.core.tasks import get_task
-    from dora_rl.modeling import load_policy, state_dict_for_transfer
-    from dora_rl.policy_source import resolve_model
+    from dora_rl.modeling import state_dict_for_transfer
 
     from .sft import sft_warmup
 
@@ -100,12 +101,10 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     producer.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
-    model, tok = load_policy(resolve_model(config.model, config.seed))
-    pad_id = int(tok.pad_token_id or 0)
+    state = build_state(config)
+    model, tok, optimizer, lr_schedule = state.model, state.tokenizer, state.optimizer, state.lr_schedule
     publisher = Publisher(config.weight_transport, run_id, run_dir, token or secrets.token_hex(16),
                           keep=config.max_staleness + 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    lr_schedule = warmup_cosine_schedule(optimizer, config.lr_warmup_steps)
     ckpt_root = run_dir / "trainer-state"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -128,6 +127,11 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         producer.send(topics.VERSIONS, ann, make_key(version, "policy"))
         checkpoint.prune(ckpt_root, version - S - 1)
 
+    def keep_for_replay(version: int) -> None:
+        """The replay checkpoint of ``version`` when one is due (after its announcement committed)."""
+        if version % config.checkpoint_every == 0 or version == config.steps:
+            checkpoint.save_replayable(run_dir / "checkpoints", version, model, tok, optimizer, lr_schedule, version)
+
     announced = trainer_announcements(bootstrap, run_id, start_offsets, lambda oldest: oldest <= 0)
     if announced:
         step = restore(announced, model, optimizer, lr_schedule, publisher, producer, S)
@@ -148,6 +152,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 metrics.emit(name, value)
             announce(0, {})
             metrics.emit("version_published", 0, version=0)
+        keep_for_replay(0)
 
     # undecodable input is refused while polling, outside any transaction: its own idempotent producer
     undecodable = DeadLetters(RecordProducer(bootstrap, f"{COMPONENT}-dlq-{run_id}"), COMPONENT, run_id)
@@ -182,17 +187,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 waited = time.perf_counter() - wait_started
                 idle_s += waited
                 t0 = time.perf_counter()
-                samples = [Sample(t.prompt_ids.tolist(), t.response_ids.tolist(), t.behaviour_logprobs.tolist(),
-                                  float(t.reward or 0.0),
-                                  t.group_id) for t in batch.trajectories]
-                stale = batch.staleness()
-                stats = policy_update(model, optimizer, samples, loss=config.loss, clip_eps=config.clip_eps,
-                                      tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
-                                      minibatches=config.minibatches, temperature=config.temperature,
-                                      pad_id=pad_id, seed=config.seed + step, lr_scheduler=lr_schedule,
-                                      decoupled=config.decoupled_ppo and max(stale) > 0)
-                stats["staleness_max"] = float(max(stale))
-                stats["staleness_mean"] = float(sum(stale) / len(stale))
+                stats = train_step(state, batch, config)
                 crash_point("trainer.after_update")
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
@@ -207,12 +202,12 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                     metrics.emit("idle_ratio", idle_s / max(idle_s + busy_s, 1e-9), step=step)
                     consumer.commit_in_transaction(producer.raw)
                     crash_point("trainer.before_commit")
+                prom.trained_batch(batch)
                 log.info("step %d: reward %.3f loss %.4f tokens %d (%.2fs, update %.2fs, waited %.2fs)", step,
                          stats["reward_mean"], stats["loss"], stats["trained_tokens"], step_s, stats["update_s"],
                          waited)
                 step += 1
-                if step % config.checkpoint_every == 0 or step == config.steps:
-                    save_checkpoint(model, tok, run_dir / "checkpoints" / f"v{step:06d}")
+                keep_for_replay(step)
                 wait_started = time.perf_counter()
         with transaction():
             metrics.emit("done", step)
@@ -260,9 +255,3 @@ def restore(announced: dict[int, PolicyVersion], model: torch.nn.Module, optimiz
         raise RuntimeError(f"checkpoint of version {latest} says step {step}")
     return step
 
-
-def save_checkpoint(model: torch.nn.Module, tokenizer: object, path: Path) -> None:
-    """A loadable Hugging Face folder of the current policy."""
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)  # type: ignore[operator]
-    tokenizer.save_pretrained(path)  # type: ignore[attr-defined]

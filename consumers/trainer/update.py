@@ -50,8 +50,14 @@ class Sample:
     group_id: str
 
 
+def trainable(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples an update trains on, in order: those with a response (an empty one has no token)."""
+    return [s for s in samples if len(s.response_ids) > 0]
+
+
 def compute_advantages(samples: Sequence[Sample], loss: str = "grpo") -> torch.Tensor:
-    """Per-trajectory advantages over each sample's group."""
+    """Per-trajectory advantages over each sample's group (of :func:`trainable` samples: the one
+    advantage formula of the repository, also what ``dora-rl replay rescore`` reports)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups: dict[str, int] = {}
     index = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples], dtype=torch.long)
@@ -119,7 +125,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     The model is left in ``eval()`` mode.
     """
     t0 = time.perf_counter()
-    samples = [s for s in samples if len(s.response_ids) > 0]
+    samples = trainable(samples)
     if not samples:
         raise ValueError("batch has no trajectory with a response")
     adv = compute_advantages(samples, loss)

@@ -1,0 +1,88 @@
+"""One training step from one recorded batch: the only place a ``TrainBatch`` becomes a policy update.
+
+The trainer role (:mod:`.role`) and ``dora-rl replay retrain`` (:mod:`dora_rl.consumers.replay.retrain`)
+both build their state with :func:`build_state` and apply a batch with :func:`train_step`, so a
+re-trained step runs exactly the code of the original one (docs/decisions/0012, 0020).
+
+- :func:`build_state`: the initial policy of ``config.model`` (built from ``config.seed``), its
+  tokenizer, ``AdamW(lr = config.lr, weight_decay = 0)`` over the model's parameters in their order,
+  and the LR schedule ``warmup_cosine_schedule(optimizer, config.lr_warmup_steps)``.
+- :func:`train_step`: the batch's trajectories, in batch order, as :class:`~.update.Sample` (reward
+  ``None`` is 0); :func:`~.update.policy_update` with every knob from ``config``, the seed
+  ``config.seed + batch.train_step`` (the only randomness of an update: the minibatch order) and
+  decoupled PPO iff ``config.decoupled_ppo`` and some trajectory is stale (staleness > 0).
+
+Exactness: the update is a deterministic function of (weights, optimizer state, schedule position,
+batch, config) on CPU with one intra-op thread — the trainer runs with ``torch.set_num_threads(1)``
+and replay does the same (:func:`single_thread`). Nothing else of the process (global RNGs, earlier
+steps) enters it, which is what lets a checkpoint plus the recorded batches reproduce every later
+version bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dora_rl.config import DoraConfig
+from dora_rl.schemas.records import TrainBatch
+
+from .grpo import warmup_cosine_schedule
+from .update import Sample, policy_update
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What an update mutates (model, optimizer, schedule) and what it reads (pad id)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler
+    pad_id: int
+
+
+def build_state(config: DoraConfig) -> TrainerState:
+    """The trainer's initial state for ``config`` (see the module docstring)."""
+    from dora_rl.modeling import load_policy
+    from dora_rl.policy_source import resolve_model
+
+    model, tok = load_policy(resolve_model(config.model, config.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    lr_schedule = warmup_cosine_schedule(optimizer, config.lr_warmup_steps)
+    return TrainerState(model, tok, optimizer, lr_schedule, int(tok.pad_token_id or 0))
+
+
+def samples_of(batch: TrainBatch) -> list[Sample]:
+    """The batch's trajectories as update samples, in batch order (a missing reward counts as 0)."""
+    return [Sample(t.prompt_ids.tolist(), t.response_ids.tolist(), t.behaviour_logprobs.tolist(),
+                   float(t.reward or 0.0), t.group_id) for t in batch.trajectories]
+
+
+def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig) -> dict[str, float]:
+    """Apply ``batch`` to ``state`` (one policy update); returns the update's statistics plus
+    ``staleness_max`` and ``staleness_mean`` of the batch."""
+    stale = batch.staleness()
+    stats = policy_update(state.model, state.optimizer, samples_of(batch), loss=config.loss,
+                          clip_eps=config.clip_eps, tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
+                          minibatches=config.minibatches, temperature=config.temperature, pad_id=state.pad_id,
+                          seed=config.seed + int(batch.train_step), lr_scheduler=state.lr_schedule,
+                          decoupled=config.decoupled_ppo and max(stale, default=0) > 0)
+    stats["staleness_max"] = float(max(stale, default=0))
+    stats["staleness_mean"] = float(sum(stale) / len(stale)) if stale else 0.0
+    return stats
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run the body with one intra-op torch thread (as the trainer), restoring the count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
