@@ -34,7 +34,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import DeadLetter, Metric, Record
 
-from . import topics
+from . import prom, topics
 from .kafka_read import (
     metadata,
     now_ms,
@@ -167,6 +167,7 @@ class RecordProducer:
         """Queue one record (schemaless Avro + schema headers). Non-blocking; see :meth:`flush`."""
         value, headers = record.encode()
         self.send_raw(topic, value, key.encode(), headers, partition)
+        prom.record_sent(topic, record)
 
     def send_raw(self, topic: str, value: bytes | None, key: bytes | None,
                  headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> None:
@@ -252,6 +253,7 @@ class DeadLetters:
             dlq_key = letter_key(msg)
         self.producer.send_raw(topics.DLQ, letter.encode()[0], dlq_key.encode(), letter.encode()[1])
         self.count += 1
+        prom.dead_letter(self.component, error_type)
         log.warning("dead-lettered %s[%s]@%s from %s: %s", letter.source_topic, letter.source_partition,
                     letter.source_offset, self.component, reason)
 
@@ -307,6 +309,7 @@ class RunConsumer:
         group = self._group = f"dora.{run_id}.{component}{group_suffix}"
         self._consumer = Consumer(consumer_config(bootstrap, group, f"{component}-{run_id}", **extra))
         self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
+        prom.watch_consumer(self._consumer, group, bootstrap)
         self.skipped_other_runs = 0
         self.last_poll_count = 0
 
@@ -362,4 +365,4 @@ class RunConsumer:
 
     def close(self) -> None:
         """Leave the group."""
-        self._consumer.close()
+        prom.release_consumer(self._consumer)

@@ -31,7 +31,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, TopicPartition
 
-from dora_rl.infra import topics
+from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import (
     RecordProducer,
@@ -98,6 +98,7 @@ class KafkaDriver:
                                        **{"transactional.id": f"dora.{run_id}.{name}"})
         self.producer.init_transactions(60)  # fences and aborts any predecessor; a refused id is fatal
         self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.{name}", f"{name}-{run_id}"))
+        prom.watch_consumer(self.consumer, f"dora.{run_id}.{name}", bootstrap)
         self.fetcher = RefFetcher(bootstrap, self.record_types)
         self._cache: dict[Ref, Any] = {}
         self.ctx = Context(self._fetch_many, time.time)
@@ -193,4 +194,4 @@ class KafkaDriver:
                 self.commit()
         finally:
             self.proc.close()
-            self.consumer.close()
+            prom.release_consumer(self.consumer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
+from dora_rl.infra import prom, topics
 from dora_rl.infra.kafka_io import DeadLetters, consumer_config, is_record
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RolloutRequest
@@ -33,6 +33,7 @@ class RequestReader:
         committed = self.consumer.committed([self.tp], timeout=30)[0].offset
         self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start
         self.consumer.assign([self.tp])
+        prom.watch_consumer(self.consumer, f"dora.{run_id}.rollout-{index}", bootstrap)
         self.next_offset = self.tp.offset
 
     def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:

@@ -39,7 +39,7 @@ import torch
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
-from dora_rl.infra import topics
+from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import KafkaSecurityError
@@ -371,7 +371,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             inst.state = "STOPPED"  # the orchestrator moves whatever is still placed here at once
             inst.heartbeat(force=True)
         producer.flush()
-        reader.consumer.close()
+        prom.release_consumer(reader.consumer)
         versions.close()
         if fetcher is not None:
             fetcher.close()

@@ -1,0 +1,124 @@
+"""Consumer lag: how many records of each topic-partition a consumer still has to read.
+
+Formula, per assigned partition ``(topic, p)`` of a consumer group ``g``::
+
+    lag(g, topic, p) = max(0, high(topic, p) - position(g, topic, p))
+
+``high`` is the partition's high watermark (for a ``read_committed`` reader the broker reports its last
+stable offset, so records of an open transaction are not counted as lag); ``position`` is the offset of
+the next record the consumer will read. A partition whose position or high watermark is not known yet
+(a consumer that has not fetched since its assignment) has no lag sample rather than a guessed one.
+
+Two sources of positions, both reduced by :func:`lag_rows`:
+
+- a live consumer's in-memory positions (:func:`live_lag`; what the role's Prometheus endpoint
+  reports; local calls only, so a scrape never blocks the role's consumer);
+- the committed offsets of a run's consumer groups ``dora.<run>.<component>`` (:func:`committed_lag`,
+  through the AdminClient; what ``dora-rl monitor`` shows for roles on any host). A group commits after
+  its outputs are flushed, so committed lag is an upper bound of the live one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, TopicPartition
+
+from .kafka_read import now_ms, reader_config, watermarks
+from .kafka_security import client_config
+
+TP = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    """The lag of one consumer group on one topic-partition (see the module docstring)."""
+
+    group: str
+    topic: str
+    partition: int
+    position: int
+    """Next offset the group reads (live position, or its committed offset)."""
+    high: int
+    """High watermark (last stable offset for ``read_committed``)."""
+
+    @property
+    def lag(self) -> int:
+        """``max(0, high - position)``: records still to read."""
+        return max(0, self.high - self.position)
+
+
+def lag_rows(group: str, positions: Mapping[TP, int], highs: Mapping[TP, int]) -> list[PartitionLag]:
+    """The lag of ``group`` on every partition with a known (non-negative) position and high watermark,
+    sorted by topic and partition."""
+    return [PartitionLag(group, t, p, pos, highs[(t, p)]) for (t, p), pos in sorted(positions.items())
+            if pos >= 0 and highs.get((t, p), -1) >= 0]
+
+
+def live_lag(consumer: Consumer, group: str, high_of: Callable[[TopicPartition], int] | None = None
+             ) -> list[PartitionLag]:
+    """Lag of a live consumer from its own positions and cached high watermarks (no broker round trip);
+    ``high_of`` (e.g. a side reader's query) fills partitions whose watermark is not cached yet."""
+    assigned = consumer.assignment()
+    if not assigned:
+        return []
+    positions = {(tp.topic, tp.partition): int(tp.offset) for tp in consumer.position(assigned)}
+    highs: dict[TP, int] = {}
+    for tp in assigned:
+        _, high = consumer.get_watermark_offsets(tp, cached=True)
+        if high < 0 and high_of is not None:
+            high = high_of(TopicPartition(tp.topic, tp.partition))
+        highs[(tp.topic, tp.partition)] = int(high)
+    return lag_rows(group, positions, highs)
+
+
+class HighWatermarks:
+    """A side reader that asks the broker for high watermarks (never joins a group, never commits)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._consumer = Consumer(reader_config(bootstrap, f"dora-lag-{now_ms()}"))
+
+    def __call__(self, tp: TopicPartition, timeout: float = 2.0) -> int:
+        try:
+            return watermarks(self._consumer, tp, timeout)[1]
+        except Exception:  # an unreachable broker: no sample, never a failed scrape
+            return -1
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def run_groups(group_ids: Iterable[str], run_id: str) -> list[str]:
+    """The consumer groups of run ``run_id`` (``dora.<run>.<component>``), sorted."""
+    prefix = f"dora.{run_id}."
+    return sorted(g for g in group_ids if g.startswith(prefix))
+
+
+def committed_lag(bootstrap: str, run_id: str, timeout: float = 10.0) -> list[PartitionLag]:
+    """Lag of every consumer group of run ``run_id`` from its committed offsets (groups that never
+    committed, such as the tools' own readers, have no rows)."""
+    from confluent_kafka import ConsumerGroupTopicPartitions
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(client_config(bootstrap))
+    listed = admin.list_consumer_groups(request_timeout=timeout).result(timeout)
+    groups = run_groups((g.group_id for g in listed.valid), run_id)
+    if not groups:
+        return []
+    committed: dict[str, dict[TP, int]] = {}
+    for group in groups:  # the API takes one group per request
+        fut = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)], request_timeout=timeout)
+        found = fut[group].result(timeout)
+        committed[group] = {(tp.topic, tp.partition): int(tp.offset) for tp in found.topic_partitions or []
+                            if tp.offset >= 0}
+    highs = HighWatermarks(bootstrap)
+    try:
+        wanted = {tp for offsets in committed.values() for tp in offsets}
+        high = {tp: highs(TopicPartition(*tp), timeout) for tp in sorted(wanted)}
+    finally:
+        highs.close()
+    return [row for group in sorted(committed) for row in lag_rows(group, committed[group], high)]
+
+
+__all__ = ["HighWatermarks", "PartitionLag", "committed_lag", "lag_rows", "live_lag", "run_groups"]

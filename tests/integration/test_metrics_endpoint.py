@@ -1,0 +1,135 @@
+"""The roles' Prometheus endpoints, scraped during a live run (real broker, dora mode, emulated engine).
+
+The trainer's and a rollout instance's ``/metrics`` are found through the endpoint files the roles
+write (``$DORA_HOME/runs/<run>/metrics-endpoints/<name>.json``, Prometheus ``file_sd`` format) and
+scraped while the run is going: both report consumer lag on their own topic-partitions, the instance
+its held version and state, and the trainer a staleness histogram whose counts, per bucket, are exactly
+what the audit counts over the same batches. The run ends with its plot beside each ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from run_helpers import emulated_run, wait_for
+
+pytestmark = pytest.mark.broker
+
+CONFIG = emulated_run(steps=8, seed=21, emulated={"base_step_s": 0.04})
+
+
+def scrape(address: str) -> dict[str, list[Any]]:
+    """Family name -> its samples (``prometheus_client``'s parser: the format is Prometheus's own)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def endpoint(rdir: Path, name: str) -> str:
+    return json.loads((rdir / "metrics-endpoints" / f"{name}.json").read_text())[0]["targets"][0]
+
+
+def value(fams: dict[str, list[Any]], family: str, sample: str | None = None, **labels: str) -> float | None:
+    for s in fams.get(family, []):
+        if (sample is None or s.name == sample) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    return None
+
+
+def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
+    from dora_rl.config import DoraConfig
+    from dora_rl.consumers.audit import audit_records, audit_run
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import TrainBatch
+
+    cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
+    cfg.write_text(json.dumps(CONFIG))
+    runs = dora_home / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
+    env = {k: v for k, v in os.environ.items() if k not in ("DORA_METRICS", "DORA_METRICS_PORT")}
+    launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
+                                 "--config", str(cfg), "--json", str(out), "--quiet"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: runs.exists() and any((d / "metrics-endpoints" / "trainer.json").exists()
+                                               for d in runs.iterdir() if d.name not in known), 120, "the trainer")
+        rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "metrics-endpoints").exists())
+        run_id = rdir.name
+        wait_for(lambda: (rdir / "metrics-endpoints" / "rollout-0.json").exists(), 60, "rollout-0's endpoint")
+        trainer, rollout = endpoint(rdir, "trainer"), endpoint(rdir, "rollout-0")
+
+        # the trainer, mid-run: a scrape is one consistent snapshot (steps x TBS == histogram count)
+        seen: dict[str, list[Any]] = {}
+
+        def trained_some() -> bool:
+            nonlocal seen
+            seen = scrape(trainer)
+            steps = value(seen, "dora_trainer_steps", "dora_trainer_steps_total") or 0
+            return steps >= 2
+        wait_for(trained_some, 180, "two trained steps on the trainer's endpoint")
+        assert launcher.poll() is None, "the run ended before the scrape: not a live scrape"
+        steps_scraped = int(value(seen, "dora_trainer_steps", "dora_trainer_steps_total") or 0)
+        assert steps_scraped < CONFIG["steps"]
+        count = value(seen, "dora_trainer_staleness", "dora_trainer_staleness_count")
+        assert count == steps_scraped * CONFIG["train_batch_size"]
+        cumulative = {int(float(s.labels["le"])): s.value for s in seen["dora_trainer_staleness"]
+                      if s.name == "dora_trainer_staleness_bucket" and s.labels["le"] != "+Inf"}
+        assert sorted(cumulative) == list(range(CONFIG["max_staleness"] + 1))  # buckets 0..S
+        lag = value(seen, "dora_consumer_lag_records", group=f"dora.{run_id}.trainer", topic=topics.BATCHES,
+                    partition="0")
+        assert lag is not None and lag >= 0, seen.get("dora_consumer_lag_records")
+        assert (value(seen, "dora_consumer_high_watermark", topic=topics.BATCHES) or 0) > 0
+        assert value(seen, "dora_trainer_reward_mean") is not None
+        assert (value(seen, "dora_trainer_trained_tokens", "dora_trainer_trained_tokens_total") or 0) > 0
+
+        # a rollout instance: lag on its request partition, its version, state and work
+        inst = scrape(rollout)
+        lag = value(inst, "dora_consumer_lag_records", group=f"dora.{run_id}.rollout-0", topic=topics.REQUESTS,
+                    partition="0")
+        assert lag is not None and lag >= 0, inst.get("dora_consumer_lag_records")
+        assert (value(inst, "dora_instance_version", instance_id="rollout-0") or -1) >= 0
+        states = {s.labels["state"]: s.value for s in inst["dora_instance_state"]}
+        assert sum(states.values()) == 1, states
+        assert (value(inst, "dora_records_sent", "dora_records_sent_total", topic=topics.TRAJECTORIES) or 0) > 0
+        assert value(inst, "dora_role_info", run_id=run_id, role="rollout", name="rollout-0") == 1
+
+        code = launcher.wait(timeout=300)
+        log = launcher.stdout.read().decode() if launcher.stdout else ""
+        assert code == 0, log[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+    # the histogram agrees with the audit over the same batches (the first `steps_scraped` steps)
+    info = get_run(bootstrap, run_id)
+    config = DoraConfig.from_json(info.config_json)
+    start = {p: o for (t, p), o in offsets_map(info).items() if t == topics.BATCHES}
+    batches: dict[int, TrainBatch] = {}
+    for msg in read_all(bootstrap, topics.BATCHES, start):
+        b = TrainBatch.decode(msg.value(), msg.headers())
+        if b.run_id == run_id:
+            batches.setdefault(int(b.train_step), b)
+    prefix = [b for k, b in sorted(batches.items()) if k < steps_scraped]
+    audited = audit_records(run_id, config, [], [], prefix).staleness_histogram
+    per_bucket = {s: cumulative[s] - cumulative.get(s - 1, 0) for s in cumulative}
+    assert {s: n for s, n in per_bucket.items() if n} == {s: n for s, n in audited.items() if n}
+    full = audit_run(bootstrap, run_id)
+    assert full.verdict == "PASS", full.render()
+    assert all(full.staleness_histogram.get(s, 0) >= n for s, n in per_bucket.items())
+
+    # every run ends with its plot, beside both summaries
+    assert (rdir / "summary.png").stat().st_size > 10_000
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (rdir / "metrics-endpoints" / "trainer.json").exists()  # removed when the role exited
+
