@@ -8,8 +8,9 @@
     dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index [auto],
                                                                     --bind-host, --advertised-host)
     dora-rl runs                                                    runs recorded on the cluster
-    dora-rl monitor [--run ID] [--follow]                           live view of a run's metrics
-    dora-rl replay [--run ID] [--topic T] [--version V] [--out F]   recorded rollouts as JSON lines
+    dora-rl monitor [--run ID] [--follow]                           a run's progress; --follow: live, in place
+    dora-rl dashboard [--run ID] [--bind H] [--port P]              a run's web page (timeline, curves, lag)
+    dora-rl replay [dump|retrain|rescore|refeed|export|archive]     re-run a recorded run (default: JSON lines)
     dora-rl audit [--run ID] [--json F]                             check C1-C3 from the topics
 
 Every command takes ``--bootstrap-servers`` (or env ``DORA_BOOTSTRAP_SERVERS``); without it,
@@ -50,7 +51,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dora_rl.launcher import run
 
     config = DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
-                             weight_transport=args.weight_transport, num_instances=args.instances)
+                             weight_transport=args.weight_transport, num_instances=args.instances,
+                             reward_service=args.reward)
     summary = run(config, resolve_bootstrap(args.bootstrap_servers), Path(args.json) if args.json else None,
                   quiet=args.quiet)
     _print_summary(summary)
@@ -168,7 +170,8 @@ def cmd_create(args: argparse.Namespace) -> int:
     from dora_rl.launcher import create
 
     config = DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
-                             weight_transport=args.weight_transport, num_instances=args.instances)
+                             weight_transport=args.weight_transport, num_instances=args.instances,
+                             reward_service=args.reward)
     info, token_file = create(config, _bootstrap(args), run_id=args.run_id)
     print(info.run_id)
     print(f"run {info.run_id} recorded (no role started); weight-channel token in {token_file} (copy it to every "
@@ -188,21 +191,23 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_monitor(args: argparse.Namespace) -> int:
     from dora_rl.consumers.monitor import monitor
 
-    monitor(_bootstrap(args), args.run, follow=args.follow)
+    monitor(_bootstrap(args), args.run, follow=args.follow, refresh_s=args.refresh)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dora_rl.consumers.dashboard.server import DashboardServer
+    from dora_rl.infra.endpoints import Endpoints
+
+    bind = args.bind or Endpoints.from_env().bind_host
+    DashboardServer(_bootstrap(args), args.run, bind, args.port, args.advertised_host).serve(out=sys.stdout)
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from dora_rl.consumers.replay import replay
+    from dora_rl.consumers.replay.command import run_verb
 
-    out = open(args.out, "w") if args.out else sys.stdout
-    try:
-        n = replay(_bootstrap(args), args.run, args.topic, out, version=args.version, group=args.group)
-    finally:
-        if args.out:
-            out.close()
-    print(f"replayed {n} records", file=sys.stderr)
-    return 0
+    return run_verb(args, lambda: _bootstrap(args))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -230,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--instances", type=int, default=None)
     p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
+    p.add_argument("--reward", choices=("builtin", "external"), default=None,
+                   help="external: start no scorer; an outside service scores (docs/integration.md)")
     p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
     p.add_argument("--json", default=None, help="write the machine-readable summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -241,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--instances", type=int, default=None)
     p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
+    p.add_argument("--reward", choices=("builtin", "external"), default=None,
+                   help="external: start no scorer; an outside service scores (docs/integration.md)")
     p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
     p.add_argument("--run-id", default=None, help="the run's id (default: a new one)")
     p.set_defaults(func=cmd_create)
@@ -282,15 +291,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("monitor", parents=[common], help="a run's metrics, live")
     p.add_argument("--run", default=None)
-    p.add_argument("--follow", action="store_true")
+    p.add_argument("--follow", action="store_true", help="a live view redrawn in place until Ctrl-C")
+    p.add_argument("--refresh", type=float, default=1.0, help="--follow: seconds between redraws")
     p.set_defaults(func=cmd_monitor)
 
-    p = sub.add_parser("replay", parents=[common], help="recorded rollouts as JSON lines")
-    p.add_argument("--run", default=None)
-    p.add_argument("--topic", default="dora.rollout.scored")
-    p.add_argument("--version", type=int, default=None)
-    p.add_argument("--group", default=None)
-    p.add_argument("--out", default=None)
+    p = sub.add_parser("dashboard", parents=[common], help="a run's web dashboard (running or finished)")
+    p.add_argument("--run", default=None, help="the run (default: the latest)")
+    p.add_argument("--bind", default=None, help="address to listen on (default DORA_BIND_HOST, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="port (0: a free one; the URL is printed)")
+    p.add_argument("--advertised-host", default=None, help="host named in the printed URL (default: the bind)")
+    p.set_defaults(func=cmd_dashboard)
+
+    from dora_rl.consumers.replay.command import add_arguments as replay_arguments
+
+    p = sub.add_parser("replay", parents=[common], help="re-run a recorded run: dump (default, JSON lines), "
+                       "retrain, rescore, refeed, export, archive")
+    replay_arguments(p)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("audit", parents=[common], help="check C1-C3 of a run from its topics")

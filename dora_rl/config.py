@@ -79,6 +79,12 @@ class DoraConfig:
     """Per-call limit of the reward function: a call still running after it is abandoned (its worker
     process killed and replaced) and the attempt counts as failed (reason ``timeout``)."""
 
+    reward_service: Literal["builtin", "external"] = "builtin"
+    """Who scores trajectories: ``builtin`` (the launcher starts the ``scorer`` role) or ``external``
+    (no scorer is started: a service outside this package consumes ``dora.rollout.trajectories`` and
+    writes ``dora.rollout.scored`` / ``dora.dlq`` in the same wire format, exactly once;
+    ``examples/reward_service.py``, docs/integration.md). ``reward_fn`` is then unused."""
+
     max_attempts: int = 2
     """Poison input: how many times one trajectory's reward, or one request alone on an engine, is
     tried before it is refused to ``dora.dlq`` (with its GRPO group, which the orchestrator replaces
@@ -176,6 +182,8 @@ class DoraConfig:
         if self.num_instances > self.max_instances:
             raise ValueError(f"num_instances ({self.num_instances}) must be <= max_instances ({self.max_instances}): "
                              "instance i reads partition i of the request topic")
+        if self.reward_service not in ("builtin", "external"):
+            raise ValueError(f"reward_service must be builtin or external, got {self.reward_service!r}")
         if self.weight_transport not in ("ucx", "tcp", "file"):
             raise ValueError(f"weight_transport must be ucx, tcp or file, got {self.weight_transport!r}")
         if self.mode == "sync" and self.max_staleness != 0:

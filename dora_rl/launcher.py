@@ -31,6 +31,7 @@ from confluent_kafka.admin import AdminClient
 from tqdm import tqdm
 
 from dora_rl.config import DoraConfig
+from dora_rl.consumers.dashboard.plot import plot_summary
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
@@ -224,6 +225,8 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
           file=sys.stderr)
     sup = Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, env, index))
     for role in ("dataset", "trainer", "scorer", "assembler", "orchestrator"):
+        if role == "scorer" and config.reward_service == "external":  # an outside service scores (0022)
+            continue
         sup.start(role_name(role), role)
     for i in range(config.num_instances):
         sup.start(role_name("rollout", i), "rollout", i)
@@ -303,6 +306,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(summary, indent=2))
     (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_summary(bootstrap, summary, rdir, json_path)  # summary.png beside each summary.json (never raises)
     if failed:
         raise RuntimeError(failed)
     return summary

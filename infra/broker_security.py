@@ -60,7 +60,7 @@ GROUP_PREFIX = "dora"
 TRANSACTIONAL_PREFIX = "dora."
 """Transactional ids are ``dora.<run>.<role>`` (streams/kafka_runtime.py, dataset, trainer)."""
 TRANSACTIONAL_ROLES = frozenset({"dataset", "orchestrator", "scorer", "assembler", "trainer"})
-OPERATOR_TOOLS = ("monitor", "audit", "replay", "runs", "bench")
+OPERATOR_TOOLS = ("monitor", "dashboard", "audit", "replay", "runs", "bench")
 ROLES: tuple[str, ...] = (*topics.ROLE_NAMES, "launcher", "operator")
 """What :meth:`SecurityAdmin.grant_role` accepts: every role of a run, ``launcher`` (``dora-rl run``/
 ``resume``: records runs, creates topics) and ``operator`` (monitor, audit, replay, runs, bench)."""

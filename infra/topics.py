@@ -99,12 +99,21 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
           "materialises planned batches, staleness gate (transactions: exactly one batch per step)"),
     Actor("trainer", "role", "dora-rl trainer", ("consumers/trainer/role.py", _ROLE_ENTRY),
           "trains each batch, announces each new version"),
-    Actor("run", "tool", "dora-rl run", ("dora_rl/launcher.py", "infra/runs.py"),
+    Actor("run", "tool", "dora-rl run", ("dora_rl/launcher.py", "infra/runs.py", "consumers/dashboard/plot.py"),
           "records the run, launches the roles, follows progress"),
-    Actor("monitor", "tool", "dora-rl monitor", ("consumers/monitor.py",), "live metrics, instances, dead letters"),
+    Actor("monitor", "tool", "dora-rl monitor", ("consumers/monitor.py", "consumers/monitor_feed.py",
+                                                 "consumers/monitor_view.py"),
+          "live view: versions, instances, staleness, lag, dead letters, throughput, reward"),
+    Actor("dashboard", "tool", "dora-rl dashboard", ("consumers/dashboard/server.py", "consumers/monitor_feed.py",
+                                                     "consumers/monitor_view.py"),
+          "web page of a run: curves and a version timeline per instance (docs/decisions/0021)"),
     Actor("audit", "tool", "dora-rl audit", ("consumers/audit.py",), "checks C1-C3 and TBS from the topics"),
-    Actor("replay", "tool", "dora-rl replay", ("consumers/replay.py",),
-          "a run's records as JSON lines (any catalogue topic via --topic)"),
+    Actor("replay", "tool", "dora-rl replay",
+          ("consumers/replay/dump.py", "consumers/replay/source.py", "consumers/replay/archive.py",
+           "consumers/replay/retrain.py", "consumers/replay/rescore.py", "consumers/replay/refeed.py",
+           "consumers/replay/export.py"),
+          "re-runs a recorded run: records as JSON lines (any topic via --topic), retrain, rescore, refeed, "
+          "export, archive (docs/decisions/0020)"),
     Actor("runs", "tool", "dora-rl runs", ("infra/runs.py",), "lists the runs recorded on the cluster"),
     Actor("bench", "tool", "make bench-modes, bench/chaos.py, bench/kill_run.py",
           ("bench/modes.py", "bench/chaos.py", "bench/kill_run.py"),
@@ -178,11 +187,12 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
     """Every topic of the system. ``num_partitions`` spreads the ``group_id``-partitioned topics;
     ``instances`` (a run's ``max_instances``) sizes the request topic: one partition per rollout
     instance index that may ever serve, at least :data:`MAX_INSTANCES`."""
-    week, day = 7 * DAY_MS, DAY_MS
+    week, day, month = 7 * DAY_MS, DAY_MS, 30 * DAY_MS
+    replay = ("Kept 30 d (not 7) for `dora-rl replay` (docs/decisions/0020): ")
     group = "v<policy_version:010d>/<group_id>"
     return (
         TopicSpec(PROMPTS, 1, "dora.v1.Prompt", "dataset prompts of a run, before dispatch, in dataset order",
-                  writers=("dataset",), readers=("orchestrator",),
+                  writers=("dataset",), readers=("orchestrator", "replay"),
                   key="v-/<group_id>", partitioning="single", retention_ms=week,
                   notes="No version exists before dispatch, hence `v-` in the key. One partition, so the "
                         "orchestrator sees (and dispatches, FIFO) the prompts in dataset order p0, p1, ...: "
@@ -190,7 +200,8 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "created before this hold more partitions; only partition 0 is written."),
         TopicSpec(REQUESTS, max(MAX_INSTANCES, instances), "dora.v1.RolloutRequest",
                   "version-tagged GENERATE / CANCEL requests, one partition per rollout instance",
-                  writers=("orchestrator",), readers=("rollout", "orchestrator", "audit", "replay"),
+                  writers=("orchestrator",),
+                  readers=("rollout", "orchestrator", "audit", "replay", "monitor", "dashboard"),
                   key=group, partitioning="instance", retention_ms=week,
                   notes="Each instance reads only its own partition (no group rebalancing). The orchestrator "
                         "re-reads its own past requests on start so a prompt is never dispatched twice; the "
@@ -204,18 +215,22 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "against its trajectory's (C1). No monitor reads this topic today."),
         TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
                   "completed trajectories (reward null), in completion order",
-                  writers=("rollout",), readers=("scorer", "orchestrator", "audit", "replay"),
+                  writers=("rollout",), readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard"),
                   key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
                   notes="The orchestrator reads completions (instance load, batch planning); the key's "
                         "version is the request's."),
         TopicSpec(SCORED, num_partitions, "dora.v1.Trajectory", "trajectories with their reward",
                   writers=("scorer",), readers=("assembler", "orchestrator", "replay", "bench"),
-                  key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
+                  key=group, partitioning="group_id", retention_ms=month, max_message_bytes=8 * MIB,
                   notes="Written in Kafka transactions (consumed offsets included): exactly-once from "
-                        "`dora.rollout.trajectories`. Default topic of `dora-rl replay`."),
+                        "`dora.rollout.trajectories`. Default topic of `dora-rl replay`. " + replay
+                        + "`rescore`, `refeed --source scored` and `export` read every scored trajectory here "
+                        "(`dora.rollout.trajectories` holds the same responses without their reward, so it "
+                        "keeps 7 d)."),
         TopicSpec(INSTANCES, 1, "dora.v1.InstanceStatus",
                   "rollout instance heartbeats: loaded version, state, in-flight, busy time",
-                  writers=("rollout",), readers=("orchestrator", "rollout", "run", "monitor", "audit", "bench"),
+                  writers=("rollout",),
+                  readers=("orchestrator", "rollout", "run", "monitor", "dashboard", "audit", "replay", "bench"),
                   key="v<loaded_version:010d>/<instance_id>", partitioning="single",
                   retention_ms=day,
                   notes="The key holds version 0 before the first load. Not compacted, on purpose: the "
@@ -226,22 +241,30 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "again elsewhere; a new index joins (streams/membership.py)."),
         TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion",
                   "policy version announcements (weights move out of band), in one order",
-                  writers=("trainer", "rollout"), readers=("orchestrator", "rollout", "trainer", "audit", "bench"),
-                  key="v<version:010d>/policy", partitioning="single", retention_ms=week,
+                  writers=("trainer", "rollout"),
+                  readers=("orchestrator", "rollout", "trainer", "audit", "replay", "bench", "monitor", "dashboard"),
+                  key="v<version:010d>/policy", partitioning="single", retention_ms=month,
                   max_message_bytes=8 * MIB,
                   notes="The trainer announces each new version; with the torch engine over ucx/tcp, an "
                         "instance that loaded a version re-announces it naming itself as an extra holder "
-                        "(peer-to-peer fan-out)."),
+                        "(peer-to-peer fan-out). " + replay + "`retrain` compares a re-trained step's "
+                        "weights with the announced checksums of the version it produced, and its loss and "
+                        "gradient norm with the announced train metrics."),
         TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, exactly TBS trajectories inline",
-                  writers=("assembler",), readers=("trainer", "orchestrator", "audit", "replay", "bench"),
+                  writers=("assembler", "replay"),
+                  readers=("trainer", "orchestrator", "audit", "replay", "bench", "monitor", "dashboard"),
                   key="v<train_step:010d>/step<train_step>", partitioning="single",
-                  retention_ms=week, max_message_bytes=BATCH_MAX_BYTES,
+                  retention_ms=month, max_message_bytes=BATCH_MAX_BYTES,
                   notes="The key's version is the base version (= train step). The orchestrator reads "
                         "consumption. Each batch commits in one transaction with the assembler's snapshot, so "
-                        "there is exactly one committed batch per step."),
+                        "there is exactly one committed batch per step. `dora-rl replay refeed` writes a new "
+                        "run's batches from a recorded run's (each with its `provenance`), in one transaction. "
+                        + replay + "a batch is the whole input of a step, so `retrain` re-executes a step from "
+                        "it and a checkpoint, and `refeed` trains a new run on it; past retention, "
+                        "`dora-rl replay archive` keeps a run."),
         TopicSpec(DLQ, 1, "dora.v1.DeadLetter", "every refused record, with the reason and the original bytes",
                   writers=("dataset", "orchestrator", "rollout", "scorer", "assembler", "trainer", "monitor", "run"),
-                  readers=("orchestrator", "monitor", "audit", "replay"),
+                  readers=("orchestrator", "monitor", "dashboard", "audit", "replay"),
                   key="<refused record's key> or <topic>/<partition>/<offset>",
                   partitioning="single", retention_ms=30 * DAY_MS, max_message_bytes=BATCH_MAX_BYTES,
                   notes="Any consumer built on `RunConsumer` dead-letters what it cannot decode (so the "
@@ -250,12 +273,12 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "it and dispatches a replacement prompt."),
         TopicSpec(METRICS, 1, "dora.v1.Metric", "numeric monitoring events",
                   writers=("orchestrator", "rollout", "scorer", "assembler", "trainer"),
-                  readers=("run", "monitor", "bench"),
+                  readers=("run", "monitor", "dashboard", "replay", "bench"),
                   key="<component>/<name>", partitioning="single", retention_ms=week,
                   notes="The key carries no version (an exception to docs/decisions/0002)."),
         TopicSpec(SCHEDULE, 1, "dora.v1.BatchPlan",
                   "batch plans: which trajectories form each step's batch (earliest deadline first)",
-                  writers=("orchestrator",), readers=("assembler",),
+                  writers=("orchestrator",), readers=("assembler", "replay"),
                   key="v<train_step:010d>/plan", partitioning="single", retention_ms=week,
                   notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
         TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",
@@ -270,7 +293,8 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "(producers/rollout/poison.py). A restarted role reads its latest record backwards "
                         "from the end (infra/snapshots.py, docs/decisions/0015)."),
         TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle: config, start offsets, state, summary",
-                  writers=("run", "trainer"), readers=(*ROLE_NAMES, "monitor", "audit", "replay", "runs", "bench"),
+                  writers=("run", "trainer", "replay"),
+                  readers=(*ROLE_NAMES, "monitor", "dashboard", "audit", "replay", "runs", "bench"),
                   key="run/<run_id>", partitioning="single", retention_ms=None, cleanup="compact",
                   max_message_bytes=8 * MIB,
                   notes="Compacted by run id: the latest record of each run is kept. Every role, tool and "
