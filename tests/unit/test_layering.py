@@ -36,3 +36,12 @@ def test_simulator_and_worker_share_the_instance_rule() -> None:
     for path in ("streams/simulator.py", "producers/rollout/worker.py"):
         text = (REPO / path).read_text()
         assert "from dora_rl.core.instance_policy import next_version, startable" in text, path
+
+
+def test_test_files_have_unique_basenames() -> None:
+    """pytest imports test files by basename (no __init__.py): two with one name break collection."""
+    from collections import Counter
+    from pathlib import Path
+
+    names = Counter(p.name for p in (Path(__file__).resolve().parents[1]).rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], names.most_common(3)
