@@ -155,6 +155,7 @@ class Orchestrator:
             req = self._request(self._prompt_of(mig.trajectory_id), mig.trajectory_id, mig.version, target,
                                 ctx).replace(partial_ids=chunk.token_ids, partial_logprobs=chunk.logprobs, **extra)
             ctx.emit(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
+            self._metric(ctx, "resumed", 1)
             out += 1
         for step, tids in self.rules.plans():
             plan = BatchPlan(run_id=self.run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=ctx.wall_ms())

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from run_helpers import wait_for as _wait
 
 pytestmark = pytest.mark.broker
 
-CONFIG = emulated_run(steps=10, seed=9, instance_timeout_s=6.0)
+CONFIG = emulated_run(steps=14, seed=9, instance_timeout_s=6.0)
 
 
 def test_a_lost_instance_is_replaced_by_a_newcomer_and_nothing_is_lost(
@@ -49,11 +48,14 @@ def test_a_lost_instance_is_replaced_by_a_newcomer_and_nothing_is_lost(
         _wait(lambda: _steps_done(bootstrap, run_id) >= 2, 180, "two steps")
         lost_pid = json.loads((rdir / "pids.json").read_text())["rollout-1"]
         os.kill(lost_pid, signal.SIGSTOP)  # its host is gone: no heartbeat, no exit, its work in flight
-        time.sleep(CONFIG["instance_timeout_s"] + 2)
         env = dict(os.environ, DORA_WEIGHT_TOKEN=(rdir / "weight-token").read_text().strip())
         newcomer = subprocess.Popen([sys.executable, "-m", "dora_rl", "rollout", "--bootstrap-servers", bootstrap,
                                      "--run-id", run_id, "--index", "2"], stdout=(tmp_path / "rollout-2.log").open("w"),
                                     stderr=subprocess.STDOUT, env=env)
+        # the newcomer joins (started now, it loads while the lost instance's timeout runs out) and must
+        # produce before the run ends: wait for it rather than race the run's end
+        _wait(lambda: launcher.poll() is not None
+              or _trajectories_by_instance(bootstrap, run_id).get("rollout-2", 0) > 0, 300, "the newcomer's output")
         code = launcher.wait(timeout=600)
         log = launcher.stdout.read().decode() if launcher.stdout else ""
         assert code == 0, log[-3000:]
