@@ -549,6 +549,10 @@ def main() -> None:
     from dora_rl.infra.weights.fetcher import DEFAULT_STREAMS
 
     result["default_streams"] = DEFAULT_STREAMS
+    from provenance import provenance  # bench/provenance.py: the commit (and a dirty flag) of this figure
+
+    os.environ.setdefault("GIT_OPTIONAL_LOCKS", "0")
+    result.update(provenance())
     try:
         import ucxx
 

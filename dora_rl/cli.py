@@ -50,9 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dora_rl.infra.broker import resolve_bootstrap
     from dora_rl.launcher import run
 
-    config = DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
-                             weight_transport=args.weight_transport, num_instances=args.instances,
-                             reward_service=args.reward)
+    config = _run_config(args)
     summary = run(config, resolve_bootstrap(args.bootstrap_servers), Path(args.json) if args.json else None,
                   quiet=args.quiet)
     _print_summary(summary)
@@ -169,9 +167,7 @@ def cmd_role(args: argparse.Namespace) -> int:
 def cmd_create(args: argparse.Namespace) -> int:
     from dora_rl.launcher import create
 
-    config = DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
-                             weight_transport=args.weight_transport, num_instances=args.instances,
-                             reward_service=args.reward)
+    config = _run_config(args)
     info, token_file = create(config, _bootstrap(args), run_id=args.run_id)
     print(info.run_id)
     print(f"run {info.run_id} recorded (no role started); weight-channel token in {token_file} (copy it to every "
@@ -220,6 +216,25 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _run_config_args(p: argparse.ArgumentParser) -> None:
+    """The options that make a run's config (``run`` and ``create``): a file, then flags over it."""
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--instances", type=int, default=None)
+    p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
+    p.add_argument("--reward", choices=("builtin", "external"), default=None,
+                   help="external: start no scorer; an outside service scores (docs/integration.md)")
+    p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
+
+
+def _run_config(args: argparse.Namespace) -> DoraConfig:
+    """The config ``_run_config_args`` describes."""
+    return DoraConfig.load(args.config, steps=args.steps, mode=args.mode, max_staleness=args.max_staleness,
+                           weight_transport=args.weight_transport, num_instances=args.instances,
+                           reward_service=args.reward)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by the docs test)."""
     parser = argparse.ArgumentParser(prog="dora-rl", description=__doc__.split("\n")[0])
@@ -230,27 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", parents=[common], help="run the whole RL loop")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--mode", choices=MODES, default=None)
-    p.add_argument("--max-staleness", type=int, default=None)
-    p.add_argument("--instances", type=int, default=None)
-    p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
-    p.add_argument("--reward", choices=("builtin", "external"), default=None,
-                   help="external: start no scorer; an outside service scores (docs/integration.md)")
-    p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
+    _run_config_args(p)
     p.add_argument("--json", default=None, help="write the machine-readable summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("create", parents=[common], help="record a run without starting roles (multi-host)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--mode", choices=MODES, default=None)
-    p.add_argument("--max-staleness", type=int, default=None)
-    p.add_argument("--instances", type=int, default=None)
-    p.add_argument("--weight-transport", choices=("ucx", "tcp", "file"), default=None)
-    p.add_argument("--reward", choices=("builtin", "external"), default=None,
-                   help="external: start no scorer; an outside service scores (docs/integration.md)")
-    p.add_argument("--config", default=None, help="TOML or JSON file of DoraConfig fields")
+    _run_config_args(p)
     p.add_argument("--run-id", default=None, help="the run's id (default: a new one)")
     p.set_defaults(func=cmd_create)
 
