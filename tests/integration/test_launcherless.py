@@ -24,7 +24,7 @@ def test_roles_started_alone_in_any_order_with_auto_indices_a_graceful_leave_and
         bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.consumers.audit import audit_run
 
-    config = emulated_run(steps=10, seed=12, instance_timeout_s=60.0)
+    config = emulated_run(steps=14, seed=12, instance_timeout_s=60.0)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config))
     run_id = create_run(bootstrap, cfg)
@@ -44,10 +44,14 @@ def test_roles_started_alone_in_any_order_with_auto_indices_a_graceful_leave_and
         owned = claimed_indices(bootstrap, run_id)
         assert sorted(owned.values()) == [0, 1], owned
         leaver = next(n for n, i in owned.items() if i == 1)
-        procs[leaver].send_signal(signal.SIGTERM)
-        assert procs[leaver].wait(30) == 0, (logs / f"{leaver}.log").read_text()[-2000:]
+        # the newcomer is started first (it loads while the leave happens) and must produce before the run
+        # ends: under CI load it otherwise raced the run's end
         procs["host-c"] = spawn("host-c", role_argv("rollout", bootstrap, run_id, "--index", "auto",
                                                     "--instance-name", "host-c"), env)
+        procs[leaver].send_signal(signal.SIGTERM)
+        assert procs[leaver].wait(30) == 0, (logs / f"{leaver}.log").read_text()[-2000:]
+        wait_for(lambda: run_state(bootstrap, run_id) == "FINISHED"
+                 or trajectories_by_instance(bootstrap, run_id).get("rollout-2", 0) > 0, 300, "the newcomer's output")
         wait_for(lambda: run_state(bootstrap, run_id) == "FINISHED", 300, "the trainer to record the run FINISHED")
         assert procs["trainer"].wait(60) == 0
     finally:
