@@ -16,6 +16,9 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import itertools
 
+from channel_kinds import KINDS, NEEDS_UCX, TOKEN
+from channel_kinds import transport_options as _options
+
 from dora_rl.infra.weights import (
     FaultInjection,
     TransportUnavailableError,
@@ -30,28 +33,7 @@ from dora_rl.infra.weights.manifest import ALIGN
 from dora_rl.infra.weights.plan import DIRECT_MIN, bucket_segments
 from dora_rl.infra.weights.streams import split_buckets
 
-TOKEN = "run-secret"
-
-
-def _ucx_available() -> bool:
-    try:
-        import ucxx._lib.libucxx  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-_NEEDS_UCX = pytest.mark.skipif(not _ucx_available(), reason="ucxx missing")
-# "ucx": defaults (same host -> cross-memory attach); "ucx-net": the network (tcp) profile forced
-KINDS = ["tcp", pytest.param("ucx", marks=_NEEDS_UCX), pytest.param("ucx-net", marks=_NEEDS_UCX)]
-
-
-def _options(kind: str) -> tuple[str, dict[str, object]]:
-    if kind == "ucx-net":
-        from dora_rl.infra.weights.ucx import UcxOptions
-
-        return "ucx", {"options": UcxOptions(same_host_tls=None)}
-    return kind, {}
+_NEEDS_UCX = NEEDS_UCX
 
 
 class TinyLM(torch.nn.Module):

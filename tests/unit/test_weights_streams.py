@@ -11,6 +11,9 @@ import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
+from channel_kinds import KINDS, NEEDS_UCX, TOKEN
+from channel_kinds import transport_options as _options
+
 from dora_rl.infra.weights import (
     FaultInjection,
     WeightFetchError,
@@ -22,28 +25,8 @@ from dora_rl.infra.weights import (
 from dora_rl.infra.weights.holder import WeightServer
 from dora_rl.infra.weights.streams import split_buckets
 
-TOKEN = "run-secret"
+_NEEDS_UCX = NEEDS_UCX
 MIB = 1 << 20
-
-
-def _ucx_available() -> bool:
-    try:
-        import ucxx._lib.libucxx  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-_NEEDS_UCX = pytest.mark.skipif(not _ucx_available(), reason="ucxx missing")
-KINDS = ["tcp", pytest.param("ucx", marks=_NEEDS_UCX), pytest.param("ucx-net", marks=_NEEDS_UCX)]
-
-
-def _options(kind: str) -> tuple[str, dict[str, object]]:
-    if kind == "ucx-net":
-        from dora_rl.infra.weights.ucx import UcxOptions
-
-        return "ucx", {"options": UcxOptions(same_host_tls=None)}
-    return kind, {}
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
