@@ -24,7 +24,8 @@ def test_roles_started_alone_in_any_order_with_auto_indices_a_graceful_leave_and
         bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.consumers.audit import audit_run
 
-    config = emulated_run(steps=14, seed=12, instance_timeout_s=60.0)
+    # 30 steps (~45 s here): the leave at step 3 must land while work remains, also when polling lags under CI load
+    config = emulated_run(steps=30, seed=12, instance_timeout_s=60.0)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config))
     run_id = create_run(bootstrap, cfg)
