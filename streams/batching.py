@@ -52,9 +52,13 @@ class HasVersion(Protocol):
 class _Group:
     members: dict[str, HasVersion] = field(default_factory=dict)
     completed_seq: int = -1
+    cached_min: int | None = None
+    """``min_version()`` as last computed; every change of ``members`` resets it to None."""
 
     def min_version(self) -> int:
-        return min(int(t.policy_version) for t in self.members.values())
+        if self.cached_min is None:
+            self.cached_min = min(int(t.policy_version) for t in self.members.values())
+        return self.cached_min
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class BatchAssembler:
         self._by_id[tid] = trajectory
         group = self._groups.setdefault(trajectory.group_id, _Group())
         group.members[tid] = trajectory
+        group.cached_min = None
         if len(group.members) == self.group_size:
             group.completed_seq = self._seq
             self._seq += 1
@@ -191,6 +196,7 @@ class BatchAssembler:
             grp = self._complete.get(gid) or self._groups.get(gid)
             if grp is not None:
                 grp.members.pop(t.trajectory_id, None)
+                grp.cached_min = None
                 if not grp.members:
                     self._complete.pop(gid, None)
                     self._groups.pop(gid, None)

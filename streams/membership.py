@@ -16,10 +16,16 @@ clock is one. Rules:
    that never starts is the supervisor's business, not the scheduler's.
 
 Invariant: ``live() ∩ lost == ∅`` and every index ever heard is in exactly one of them.
+
+Cost: :meth:`hear` and :meth:`size` are ``O(1)`` and :meth:`expire` is ``O(1)`` until some heard
+instance may have gone silent for ``timeout_s`` (then ``O(instances)``): a heartbeat per instance per
+second at thousands of instances stays cheap. ``last_heard`` and ``lost`` change only through these
+methods and :meth:`load`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -31,27 +37,54 @@ class Membership:
     timeout_s: float
     last_heard: dict[int, float] = field(default_factory=dict)
     lost: set[int] = field(default_factory=set)
+    _floor: float = field(default=-math.inf, init=False, repr=False, compare=False)  # <= every live last_heard
+    extent: int = field(default=0, init=False, repr=False, compare=False)  # size(), kept up to date
+
+    def __post_init__(self) -> None:
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self._floor = min((t for i, t in self.last_heard.items() if i not in self.lost), default=math.inf)
+        self.extent = max([self.configured - 1, *self.last_heard]) + 1
+
+    def _heard(self, index: int, now: float) -> None:
+        before = self.last_heard.get(index, now)
+        t = self.last_heard[index] = before if before > now else now  # max(now, before)
+        if t < self._floor:
+            self._floor = t
+        if index >= self.extent:
+            self.extent = index + 1
 
     def hear(self, index: int, now: float) -> bool:
         """A heartbeat of ``index`` at ``now``; True when it joins (first heard beyond the configured
         ones, or heard again after being lost)."""
-        joined = index in self.lost or (index >= self.configured and index not in self.last_heard)
-        self.lost.discard(index)
-        self.last_heard[index] = max(now, self.last_heard.get(index, now))
+        heard = self.last_heard
+        joined = index in self.lost or (index >= self.configured and index not in heard)
+        if joined:  # it was lost (or is new)
+            self.lost.discard(index)
+        before = heard.get(index, now)
+        t = heard[index] = before if before > now else now  # max(now, before), inline: once per heartbeat
+        if t < self._floor:
+            self._floor = t
+        if index >= self.extent:
+            self.extent = index + 1
         return joined
 
     def leave(self, index: int, now: float) -> bool:
         """``index`` left gracefully at ``now`` (rule 3); True if it was not lost already."""
-        self.last_heard[index] = max(now, self.last_heard.get(index, now))
+        self._heard(index, now)
         was_lost = index in self.lost
         self.lost.add(index)
         return not was_lost
 
     def expire(self, now: float) -> list[int]:
         """Instances lost at ``now`` (each reported once per loss), ascending."""
+        if now - self._floor <= self.timeout_s:
+            return []  # every live instance was heard at or after the floor: none is silent for long
         gone = sorted(i for i, t in self.last_heard.items()
                       if i not in self.lost and now - t > self.timeout_s)
         self.lost.update(gone)
+        self._floor = min((t for i, t in self.last_heard.items() if i not in self.lost), default=math.inf)
         return gone
 
     def live(self) -> list[int]:
@@ -61,7 +94,7 @@ class Membership:
 
     def size(self) -> int:
         """One more than the highest index ever known (the scheduler's per-instance arrays)."""
-        return max([self.configured - 1, *self.last_heard]) + 1
+        return self.extent
 
     def dump(self) -> dict[str, object]:
         return {"heard": {str(i): t for i, t in self.last_heard.items()}, "lost": sorted(self.lost)}
@@ -76,3 +109,4 @@ class Membership:
         lost = d.get("lost", [])
         assert isinstance(lost, list)
         self.lost = {int(i) for i in lost}
+        self._reindex()

@@ -19,7 +19,7 @@ process makes both decisions, no race between dispatching and batching can break
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dora_rl.core.staleness import StalenessBound
@@ -50,6 +50,20 @@ def feasible(deadlines: Iterable[int], next_step: int, train_batch_size: int, st
         if count > train_batch_size * (min(d, last) - next_step + 1):
             return False
     return len(ds) <= train_batch_size * max(0, steps - next_step)
+
+
+def feasible_counts(counts: Mapping[int, int], next_step: int, train_batch_size: int, steps: int) -> bool:
+    """:func:`feasible` with the deadlines given as ``{deadline: how many}``: ``O(D log D)`` for ``D``
+    distinct deadlines (at most ``S + 1`` live versions), whatever the number of trajectories."""
+    last = steps - 1
+    count = 0
+    for d in sorted(d for d, n in counts.items() if n > 0):
+        count += counts[d]
+        if d < next_step:
+            return False  # already over-stale
+        if count > train_batch_size * (min(d, last) - next_step + 1):
+            return False
+    return count <= train_batch_size * max(0, steps - next_step)
 
 
 def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int], next_step: int,
@@ -89,6 +103,11 @@ class Planner:
 
     ``version_of`` may change for a trajectory that is resumed under another version (the
     partial-rollout baseline); its deadline then counts from its *first* version.
+
+    Cost: besides the maps, the planner keeps counts of the unplanned trajectories per version (all of
+    them, and those outside a complete group) and the size of the complete groups, so :meth:`can_add`
+    and a :meth:`plans` that must wait cost ``O(S)``, not ``O(unplanned)``; only a batch that may be cut
+    costs ``O(unplanned log unplanned)``. Restoring the maps directly needs :meth:`reindex` after.
     """
 
     def __init__(self, train_batch_size: int, group_size: int, max_staleness: int, steps: int) -> None:
@@ -101,6 +120,28 @@ class Planner:
         self.done: set[str] = set()
         self.completed_seq: dict[str, int] = {}
         self._seq = 0
+        self._by_version: dict[int, int] = {}  # version -> unplanned trajectories
+        self._open: dict[int, int] = {}  # version -> unplanned trajectories whose group is not complete
+        self._complete_size = 0  # trajectories in complete groups
+        self._done_in: dict[str, int] = {}  # group -> members in ``done``
+
+    def reindex(self) -> None:
+        """Recount from the maps (after they were restored or replaced)."""
+        self._by_version, self._open = {}, {}
+        for t, v in self.version_of.items():
+            self._by_version[v] = self._by_version.get(v, 0) + 1
+            if self.group_of.get(t) not in self.completed_seq:
+                self._open[v] = self._open.get(v, 0) + 1
+        self._complete_size = sum(len(self.members.get(g, ())) for g in self.completed_seq)
+        self._done_in = {g: len(m & self.done) for g, m in self.members.items()}
+
+    @staticmethod
+    def _bump(counts: dict[int, int], version: int, n: int) -> None:
+        left = counts.get(version, 0) + n
+        if left:
+            counts[version] = left
+        else:
+            counts.pop(version, None)
 
     def deadline(self, tid: str) -> int:
         return self.bound.deadline(self.version_of[tid])
@@ -109,24 +150,47 @@ class Planner:
         """Deadlines of every unplanned trajectory."""
         return [self.bound.deadline(v) for v in self.version_of.values()]
 
+    def versions(self) -> set[int]:
+        """Versions of the unplanned trajectories (``set(version_of.values())``)."""
+        return set(self._by_version)
+
     def unplanned(self) -> int:
         return len(self.version_of)
 
     def can_add(self, version: int, n: int) -> bool:
         """May ``n`` more trajectories of ``version`` be dispatched (EDF condition)?"""
-        return feasible([*self.deadlines(), *([self.bound.deadline(version)] * n)], self.next_step, self.tbs,
-                        self.steps)
+        counts = {self.bound.deadline(v): c for v, c in self._by_version.items()}
+        d = self.bound.deadline(version)
+        counts[d] = counts.get(d, 0) + n
+        return feasible_counts(counts, self.next_step, self.tbs, self.steps)
 
     def add(self, tid: str, group_id: str, version: int) -> None:
+        again = tid in self.version_of
         self.version_of[tid] = version
         self.group_of[tid] = group_id
         self.members.setdefault(group_id, set()).add(tid)
+        if again:
+            self.reindex()
+            return
+        by_version = self._by_version
+        by_version[version] = by_version.get(version, 0) + 1  # counts are never negative: never 0 here
+        if group_id in self.completed_seq:
+            self._complete_size += 1
+        else:
+            self._open[version] = self._open.get(version, 0) + 1
 
     def complete(self, tid: str) -> None:
         if tid in self.version_of and tid not in self.done:
             self.done.add(tid)
             gid = self.group_of[tid]
-            if all(m in self.done for m in self.members[gid]) and len(self.members[gid]) == self.G:
+            members = self.members[gid]
+            if tid in members:
+                self._done_in[gid] = self._done_in.get(gid, 0) + 1
+            if self._done_in.get(gid, 0) == len(members) == self.G:  # every member done, and all G there
+                if gid not in self.completed_seq:
+                    for m in self.members[gid]:
+                        self._bump(self._open, self.version_of[m], -1)
+                    self._complete_size += len(self.members[gid])
                 self.completed_seq[gid] = self._seq
                 self._seq += 1
 
@@ -134,17 +198,30 @@ class Planner:
         """Remove an unplanned group (it was refused); returns its trajectory ids ([] when the group is
         unknown: never dispatched, or planned already). The EDF condition only gets easier."""
         tids = sorted(self.members.pop(group_id, set()))
+        self._done_in.pop(group_id, None)
+        if group_id in self.completed_seq:
+            self._complete_size -= len(tids)
         for t in tids:
-            self.version_of.pop(t, None)
+            v = self.version_of.pop(t, None)
+            if v is not None:
+                self._bump(self._by_version, v, -1)
+                if self.group_of.get(t) not in self.completed_seq:
+                    self._bump(self._open, v, -1)
             self.group_of.pop(t, None)
             self.done.discard(t)
         self.completed_seq.pop(group_id, None)
         return tids
 
+    def _must_wait(self) -> bool:
+        """What :func:`plan_batch` would wait for, from the counts: a trajectory due at ``next_step`` outside
+        a complete group, or fewer than TBS trajectories in complete groups."""
+        return self._complete_size < self.tbs or any(
+            self.bound.deadline(v) <= self.next_step for v in self._open)
+
     def plans(self) -> list[tuple[int, list[str]]]:
         """Every batch that can be planned now, in step order."""
         out: list[tuple[int, list[str]]] = []
-        while self.next_step < self.steps:
+        while self.next_step < self.steps and not self._must_wait():
             complete = [GroupView(gid, min(self.deadline(t) for t in self.members[gid]),
                                   tuple(sorted(self.members[gid])), seq)
                         for gid, seq in self.completed_seq.items()]
@@ -157,11 +234,15 @@ class Planner:
             for g in chosen:
                 tids.extend(g.trajectory_ids)
                 del self.completed_seq[g.group_id]
+                self._complete_size -= len(g.trajectory_ids)
                 for t in g.trajectory_ids:
-                    self.version_of.pop(t, None)
+                    v = self.version_of.pop(t, None)
+                    if v is not None:
+                        self._bump(self._by_version, v, -1)
                     self.group_of.pop(t, None)
                     self.done.discard(t)
                 del self.members[g.group_id]
+                self._done_in.pop(g.group_id, None)
             out.append((self.next_step, tids))
             self.next_step += 1
         return out

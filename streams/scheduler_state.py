@@ -38,6 +38,7 @@ def load_planner(p: Planner, d: dict[str, Any]) -> None:
     p.done = set(d["done"])
     p.completed_seq = {g: int(v) for g, v in d["completed_seq"].items()}
     p._seq = int(d["seq"])
+    p.reindex()
 
 
 def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:

@@ -28,9 +28,9 @@ T = TypeVar("T")
 
 def next_version(held: int, pending_versions: Iterable[int], running: int) -> int | None:
     """The version to hold for the next generation (rules 1–2); None when nothing is pending."""
-    versions = set(pending_versions)
     if running > 0:
         return held
+    versions = set(pending_versions)
     if not versions:
         return None
     return held if held in versions else min(versions)
