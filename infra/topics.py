@@ -115,9 +115,12 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
           "re-runs a recorded run: records as JSON lines (any topic via --topic), retrain, rescore, refeed, "
           "export, archive (docs/decisions/0020)"),
     Actor("runs", "tool", "dora-rl runs", ("infra/runs.py",), "lists the runs recorded on the cluster"),
-    Actor("bench", "tool", "make bench-modes, bench/chaos.py, bench/kill_run.py",
-          ("bench/modes.py", "bench/chaos.py", "bench/kill_run.py"),
+    Actor("bench", "tool", "make bench-modes, bench/chaos.py, bench/kill_run.py, bench/real_modes.py",
+          ("bench/modes.py", "bench/chaos.py", "bench/kill_run.py", "bench/real_modes.py"),
           "reads runs' figures back (chaos: kill times against each role's first new output)"),
+    Actor("bench-pipeline", "tool", "bench/pipeline.py", ("bench/pipeline.py",),
+          "plays the rollout instances and the orchestrator's plans to time the real scorer and assembler, on "
+          "a broker of its own (not an operator: no ACL is derived for it)"),
 )}
 """Every role and tool named as a writer or reader, by name."""
 
@@ -215,12 +218,12 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "against its trajectory's (C1). No monitor reads this topic today."),
         TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
                   "completed trajectories (reward null), in completion order",
-                  writers=("rollout",), readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard"),
+                  writers=("rollout", "bench-pipeline"), readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard"),
                   key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
                   notes="The orchestrator reads completions (instance load, batch planning); the key's "
                         "version is the request's."),
         TopicSpec(SCORED, num_partitions, "dora.v1.Trajectory", "trajectories with their reward",
-                  writers=("scorer",), readers=("assembler", "orchestrator", "replay", "bench"),
+                  writers=("scorer",), readers=("assembler", "orchestrator", "replay", "bench", "bench-pipeline"),
                   key=group, partitioning="group_id", retention_ms=month, max_message_bytes=8 * MIB,
                   notes="Written in Kafka transactions (consumed offsets included): exactly-once from "
                         "`dora.rollout.trajectories`. Default topic of `dora-rl replay`. " + replay
@@ -252,7 +255,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "gradient norm with the announced train metrics."),
         TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, exactly TBS trajectories inline",
                   writers=("assembler", "replay"),
-                  readers=("trainer", "orchestrator", "audit", "replay", "bench", "monitor", "dashboard"),
+                  readers=("trainer", "orchestrator", "audit", "replay", "bench", "bench-pipeline", "monitor", "dashboard"),
                   key="v<train_step:010d>/step<train_step>", partitioning="single",
                   retention_ms=month, max_message_bytes=BATCH_MAX_BYTES,
                   notes="The key's version is the base version (= train step). The orchestrator reads "
@@ -278,7 +281,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                   notes="The key carries no version (an exception to docs/decisions/0002)."),
         TopicSpec(SCHEDULE, 1, "dora.v1.BatchPlan",
                   "batch plans: which trajectories form each step's batch (earliest deadline first)",
-                  writers=("orchestrator",), readers=("assembler", "replay"),
+                  writers=("orchestrator", "bench-pipeline"), readers=("assembler", "replay"),
                   key="v<train_step:010d>/plan", partitioning="single", retention_ms=week,
                   notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
         TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",

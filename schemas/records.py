@@ -3,12 +3,23 @@
 Each class mirrors its schema field for field (a test checks the two agree). Token ids and
 log-probs are numpy arrays here and packed little-endian buffers on the wire (``<i4`` ids,
 ``<f4`` log-probs, ``<i8`` per-token versions), which is ~150x faster than Avro arrays.
+
+Wire bytes kept (the stream processors' hot path, ``bench/pipeline.py``). A record decoded with
+``keep_wire=True`` from bytes written with the current schema keeps those bytes, and :meth:`Record.encode`
+returns them instead of encoding again (records are frozen, and :meth:`Record.replace` makes a new
+record without them). The scorer's :meth:`Trajectory.scored` rewrites only the last three fields of the
+kept bytes, and :meth:`TrainBatch.encode` writes the array of its trajectories as their concatenated
+encodings, each the kept bytes where there are some: both are byte for byte what the full encoding
+writes (``tests/unit/test_wire_reuse.py``), and both fall back to it when the schema's field order is not
+the one they rely on. The price: a record that keeps its bytes holds its payload twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -41,6 +52,42 @@ def nested_one(cls: type[Record]) -> Any:
     return field(default=None, metadata={"nested_one": cls})
 
 
+_PLANS: dict[type, tuple[tuple[str, str, Any], ...]] = {}
+
+
+def _plan(cls: type) -> tuple[tuple[str, str, Any], ...]:
+    """(field name, kind, argument) per field of a record class, computed once: kind is ``packed`` (the
+    dtype), ``nested`` / ``nested_one`` (the class) or empty (a plain value)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        kinds = [(f, next((k for k in ("packed", "nested", "nested_one") if k in f.metadata), ""))
+                 for f in dataclasses.fields(cls)]
+        plan = _PLANS[cls] = tuple((f.name, k, f.metadata[k] if k else None) for f, k in kinds)
+    return plan
+
+
+@cache
+def _last_fields(name: str, n: int) -> tuple[str, ...]:
+    """Names of the last ``n`` fields of the current schema of record ``name``."""
+    return tuple(f["name"] for f in codec.schema_for(name)["fields"][-n:])
+
+
+@cache
+def _headers(name: str) -> tuple[tuple[str, bytes], ...]:
+    """The headers :func:`codec.encode` writes for record ``name``."""
+    return ((codec.HEADER_SCHEMA, name.encode()), (codec.HEADER_FINGERPRINT, codec.current_fingerprint(name).encode()))
+
+
+def _long(n: int) -> bytes:
+    """Avro's encoding of a long: zigzag, then a little-endian base-128 varint."""
+    z, out = (n << 1) ^ (n >> 63), bytearray()
+    while z > 0x7F:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
 class Record:
     """Base of all records: Avro dict conversion and wire encoding."""
 
@@ -49,58 +96,72 @@ class Record:
     def to_avro(self) -> dict[str, Any]:
         """The Avro datum (dict) of this record."""
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if "packed" in f.metadata:
-                out[f.name] = None if value is None else np.ascontiguousarray(
-                    value, dtype=f.metadata["packed"]
-                ).tobytes()
-            elif "nested" in f.metadata:
-                out[f.name] = [item.to_avro() for item in value]
-            elif "nested_one" in f.metadata:
-                out[f.name] = None if value is None else value.to_avro()
+        for name, kind, arg in _plan(type(self)):
+            value = getattr(self, name)
+            if kind == "packed":
+                out[name] = None if value is None else np.ascontiguousarray(value, dtype=arg).tobytes()
+            elif kind == "nested":
+                out[name] = [item.to_avro() for item in value]
+            elif kind == "nested_one":
+                out[name] = None if value is None else value.to_avro()
             elif isinstance(value, tuple):
-                out[f.name] = list(value)
+                out[name] = list(value)
             elif isinstance(value, dict):
-                out[f.name] = dict(value)
+                out[name] = dict(value)
             else:
-                out[f.name] = value
+                out[name] = value
         return out
 
     @classmethod
     def from_avro(cls: type[R], datum: dict[str, Any]) -> R:
         """Build the record from an Avro datum (as decoded by :func:`codec.decode`)."""
         kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            value = datum[f.name]
-            if "packed" in f.metadata:
-                dtype = f.metadata["packed"]
-                if value is not None and len(value) % dtype.itemsize:
-                    raise codec.DecodeError(f"{cls.SCHEMA}.{f.name}: {len(value)} bytes is not a whole "
-                                            f"number of {dtype.itemsize}-byte items")
-                kwargs[f.name] = None if value is None else np.frombuffer(value, dtype=dtype)
-            elif "nested" in f.metadata:
-                kwargs[f.name] = tuple(f.metadata["nested"].from_avro(item) for item in value)
-            elif "nested_one" in f.metadata:
-                kwargs[f.name] = None if value is None else f.metadata["nested_one"].from_avro(value)
+        for name, kind, arg in _plan(cls):
+            value = datum[name]
+            if kind == "packed":
+                if value is not None and len(value) % arg.itemsize:
+                    raise codec.DecodeError(f"{cls.SCHEMA}.{name}: {len(value)} bytes is not a whole "
+                                            f"number of {arg.itemsize}-byte items")
+                kwargs[name] = None if value is None else np.frombuffer(value, dtype=arg)
+            elif kind == "nested":
+                kwargs[name] = tuple(arg.from_avro(item) for item in value)
+            elif kind == "nested_one":
+                kwargs[name] = None if value is None else arg.from_avro(value)
             elif isinstance(value, list):
-                kwargs[f.name] = tuple(value)
+                kwargs[name] = tuple(value)
             else:
-                kwargs[f.name] = value
+                kwargs[name] = value
         return cls(**kwargs)
 
     def encode(self) -> tuple[bytes, list[tuple[str, bytes]]]:
-        """Schemaless Avro bytes and the schema headers."""
+        """Schemaless Avro bytes and the schema headers (the kept bytes, if any: see the module docstring)."""
+        wire = self._wire()
+        if wire is not None:
+            return wire, list(_headers(self.SCHEMA))
         return codec.encode(self.SCHEMA, self.to_avro())
 
+    def _wire(self) -> bytes | None:
+        """The bytes this record was decoded from (current schema, ``keep_wire``), else None."""
+        return self.__dict__.get("_wire_bytes")
+
+    def _keep(self: R, wire: bytes) -> R:
+        object.__setattr__(self, "_wire_bytes", wire)  # frozen: set once, right after construction
+        return self
+
     @classmethod
-    def decode(cls: type[R], value: bytes | None, headers: codec.Headers = None) -> R:
-        """Decode wire bytes; raises :class:`codec.DecodeError` with the reason."""
+    def decode(cls: type[R], value: bytes | None, headers: codec.Headers = None, *, keep_wire: bool = False) -> R:
+        """Decode wire bytes; raises :class:`codec.DecodeError` with the reason. ``keep_wire``: the record
+        keeps ``value`` for :meth:`encode` when it was written with the current schema."""
         datum = codec.decode(cls.SCHEMA, value, headers)
         try:
-            return cls.from_avro(datum)
+            rec = cls.from_avro(datum)
         except (KeyError, TypeError) as exc:
             raise codec.DecodeError(f"{cls.SCHEMA}: {exc}", "schema") from exc
+        if keep_wire and value:
+            fp = codec._header(headers, codec.HEADER_FINGERPRINT)
+            if fp is None or fp == codec.current_fingerprint(cls.SCHEMA):  # else: bytes of an older writer schema
+                rec._keep(bytes(value))
+        return rec
 
     def replace(self: R, **changes: Any) -> R:
         """A copy with some fields changed."""
@@ -218,6 +279,18 @@ class Trajectory(Record):
             return {int(self.policy_version)}
         return {int(v) for v in np.unique(self.token_versions)}
 
+    def scored(self, reward: float, scored_ms: int) -> Trajectory:
+        """This trajectory with its reward (the scorer's output). From kept bytes whose last three fields
+        are still null, the copy's bytes are those with ``reward`` and ``scored_ms`` written in: no new
+        encoding (see the module docstring)."""
+        out = self.replace(reward=reward, scored_ms=scored_ms)
+        wire = self._wire()
+        if (wire is not None and self.reward is None and self.scored_ms is None and self.provenance is None
+                and wire.endswith(b"\0\0\0") and _last_fields(self.SCHEMA, 3) == ("reward", "scored_ms", "provenance")):
+            out._keep(b"".join((wire[:-3], b"\2", struct.pack("<d", float(reward)), b"\2", _long(int(scored_ms)),
+                                b"\0")))
+        return out
+
 
 @dataclass(frozen=True, eq=False)
 class InstanceStatus(Record):
@@ -306,6 +379,19 @@ class TrainBatch(Record):
     def staleness(self) -> list[int]:
         """``base_version - policy_version`` per trajectory (the rule: :mod:`dora_rl.core.staleness`)."""
         return [StalenessBound.staleness(self.base_version, t.policy_version) for t in self.trajectories]
+
+    def encode(self) -> tuple[bytes, list[tuple[str, bytes]]]:
+        """As :meth:`Record.encode`, the array of trajectories written as their own encodings (kept bytes
+        where there are some) between the Avro array's block count and its end."""
+        if self._wire() is not None or self.provenance is not None or _last_fields(
+                self.SCHEMA, 2) != ("trajectories", "provenance"):
+            return super().encode()
+        empty, headers = codec.encode(self.SCHEMA, self.replace(trajectories=()).to_avro())
+        if not empty.endswith(b"\0\0"):  # the empty array, then the null provenance
+            return super().encode()
+        items = [t.encode()[0] for t in self.trajectories]
+        array = b"".join((_long(len(items)), *items, b"\0")) if items else b"\0"
+        return b"".join((empty[:-2], array, b"\0")), headers
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ reference into ``dora.rollout.scored`` (fetched again at restore: a window of a 
 
 A complete group past its deadline that no plan names is a copy of trajectories trained already (an
 instance regenerated them after a restart): it is dropped and counted (``duplicates_dropped``).
+
+Latency (``bench/pipeline.py``): a poll returns as soon as a record is fetched (``linger_s=0``) and a cut
+batch commits at once; the batch record is written from its trajectories' own bytes as read from
+``dora.rollout.scored`` (kept at decode, :mod:`dora_rl.schemas.records`), not encoded again, at the price of
+holding each pending trajectory's bytes beside its arrays.
 """
 
 from __future__ import annotations
@@ -130,5 +135,5 @@ def run_assembler(bootstrap: str, run_id: str, config: DoraConfig, start_offsets
     from .kafka_runtime import KafkaDriver
 
     asm = Assembler(run_id, config)
-    driver = KafkaDriver(bootstrap, run_id, asm, INPUTS, start_offsets, commit_interval_s=0.5)
+    driver = KafkaDriver(bootstrap, run_id, asm, INPUTS, start_offsets, commit_interval_s=0.5, linger_s=0.0)
     driver.run(stop, urgent=lambda: any(o.topic == topics.BATCHES for o in driver.ctx.pending))

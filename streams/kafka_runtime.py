@@ -19,7 +19,14 @@ assigned directly (no group membership, so a restarted process gets its partitio
 session timeout or rebalance to wait out); the group only stores offsets.
 
 Commits happen every ``commit_interval_s`` when anything was consumed or emitted, and at once when
-the processor asks for it (``urgent``: e.g. after cutting a batch).
+the processor asks for it (``urgent``: e.g. after cutting a batch); a poll waits no longer than the next
+commit is due. A short interval is a group commit: what arrives while a transaction commits goes into the
+next one, so the transactions grow with the load and a record waits for about one.
+
+Polling: by default a poll collects records for its whole timeout (``consume(500, timeout)``: one
+``punctuate`` per 50 ms at most, for processors whose ``punctuate`` is costly). With ``linger_s`` it
+returns ``linger_s`` after the first record arrives (0: at once, with what is already fetched), so a
+record waits for no timer; ``bench/pipeline.py`` measures the difference.
 """
 
 from __future__ import annotations
@@ -88,11 +95,12 @@ class KafkaDriver:
 
     def __init__(self, bootstrap: str, run_id: str, processor: Processor,
                  record_types: Mapping[str, type[Record]], start_offsets: Mapping[tuple[str, int], int],
-                 commit_interval_s: float = 0.2) -> None:
+                 commit_interval_s: float = 0.2, linger_s: float | None = None, max_records: int = 500) -> None:
         self.bootstrap, self.run_id, self.proc = bootstrap, run_id, processor
         self.record_types = dict(record_types)
         self.start_offsets = dict(start_offsets)
         self.commit_interval_s = commit_interval_s
+        self.linger_s, self.max_records = linger_s, max_records
         name = processor.name
         self.producer = RecordProducer(bootstrap, f"{name}-{run_id}",
                                        **{"transactional.id": f"dora.{run_id}.{name}"})
@@ -135,7 +143,11 @@ class KafkaDriver:
     def poll(self, timeout: float) -> int:
         """Feed what arrives within ``timeout`` to the processor; returns the records consumed."""
         with security_errors_fatal(f"{self.proc.name}: consume"):
-            msgs = self.consumer.consume(500, timeout)
+            if self.linger_s is None:
+                msgs = self.consumer.consume(self.max_records, timeout)
+            else:  # wait for the first record only, then take what is fetched (or arrives within linger_s)
+                first = self.consumer.poll(timeout)
+                msgs = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, self.linger_s)]
         n = 0
         for msg in msgs:
             if not is_record(msg):
@@ -143,7 +155,7 @@ class KafkaDriver:
             n += 1
             topic = msg.topic() or ""
             try:
-                record = self.record_types[topic].decode(msg.value(), msg.headers())
+                record = self.record_types[topic].decode(msg.value(), msg.headers(), keep_wire=True)
             except DecodeError as exc:  # refused in the next commit's transaction, with its position
                 letter = dead_letter(msg, self.proc.name, self.run_id, str(exc), exc.error_type)
                 self.ctx.emit(topics.DLQ, letter, letter_key(msg))
@@ -158,6 +170,7 @@ class KafkaDriver:
     def commit(self) -> None:
         """Outputs + snapshot + input positions in one transaction."""
         outs: list[OutRecord] = self.ctx.take()
+        t0 = time.perf_counter()
         self.producer.raw.begin_transaction()
         try:
             for o in outs:
@@ -168,7 +181,10 @@ class KafkaDriver:
             self.producer.raw.send_offsets_to_transaction(
                 [tp for tp in positions if tp.offset >= 0], self.consumer.consumer_group_metadata(), 60)
             crash_point(f"{self.proc.name}.before_commit")
+            t1 = time.perf_counter()
             self.producer.raw.commit_transaction(60)
+            log.debug("%s: commit %d: %d outputs in %.1f ms (commit_transaction %.1f ms)", self.proc.name, self.commits,
+                      len(outs), 1000 * (time.perf_counter() - t0), 1000 * (time.perf_counter() - t1))
         except KafkaException:
             log.exception("%s: commit %d failed (fenced by a newer incarnation, or the broker)",
                           self.proc.name, self.commits)
@@ -182,8 +198,9 @@ class KafkaDriver:
         last_commit = time.monotonic()
         dirty = False
         try:
-            while not stop():
-                n = self.poll(0.05)
+            while not stop():  # a poll waits no longer than the next commit is due
+                due = self.commit_interval_s - (time.monotonic() - last_commit) if dirty else 0.05
+                n = self.poll(min(0.05, max(0.0, due)))
                 dirty = dirty or n > 0 or bool(self.ctx.pending)
                 if dirty and (urgent() or time.monotonic() - last_commit >= self.commit_interval_s):
                     self.commit()
