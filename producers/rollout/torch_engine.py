@@ -1,20 +1,31 @@
-"""A plain-torch rollout engine: batched KV-cache decoding with any HF causal LM (CPU or GPU).
+"""A plain-torch rollout engine: continuously batched KV-cache decoding with any HF causal LM (CPU or GPU).
 
-Layout of one ``generate`` call: every request's ``prompt_ids + partial_ids`` is a row of a
-left-padded ``[B, L]`` batch with ``attention_mask`` 1 on real tokens and explicit
-``position_ids = clamp(cumsum(attention_mask) - 1, min=0)`` (so a row's positions do not depend on
-its padding). Prefill fills a ``DynamicCache`` (identical rows — a GRPO group — computed once,
-distinct rows in length-sorted chunks to avoid padding); then each step feeds the token just
-sampled at ``position = last position + 1``.
+Layout of one ``generate`` call (the batch itself: :mod:`.torch_batch`): every request's
+``prompt_ids + partial_ids`` is a row of a left-padded ``[B, L]`` batch with ``attention_mask`` 1 on
+real tokens and explicit ``position_ids = clamp(cumsum(attention_mask) - 1, min=0)`` (so a row's
+positions do not depend on its padding). Prefill fills a ``DynamicCache`` (identical rows — a GRPO
+group — computed once, distinct rows in length-sorted chunks to avoid padding); then each step feeds
+the token just sampled at ``position = last position + 1``.
+
+Continuous batching: :meth:`TorchEngine.add` hands requests to the running call; at the next step
+boundary the decode loop prefills them (as above) and writes their cache rows into the rows of
+finished requests (else appends them), left-padded to the batch's width, so they start decoding at
+once instead of waiting for the call's slowest row. C1 holds: the weights lock is held for the whole
+call, so every row of it — joined ones included — is sampled from the weights loaded when it began
+(the caller adds only requests of the version it holds). The call returns when no row is left and
+nothing was added.
 
 Sampling: ``logp = log_softmax(logits.float() / temperature)``, ``token ~ Categorical(exp(logp))``,
 and the returned log-prob is ``logp[token]`` — exactly what
 :func:`dora_rl.consumers.trainer.grpo.sequence_logprobs` recomputes with the same weights and
-temperature (checked to 1e-4 in the tests). Re-prefilling ``prompt + partial`` reproduces the same
-conditional distribution as the uninterrupted run, which is what makes migration exact.
+temperature (checked to 1e-4 in the tests, joined rows included). Re-prefilling ``prompt + partial``
+reproduces the same conditional distribution as the uninterrupted run, which is what makes migration
+exact.
 
-Finished rows are compacted out of the batch (KV cache rows selected, all-padding leading columns
-trimmed) once at least an eighth of the rows are finished, so stragglers decode in a small batch.
+Finished rows stay in the batch for joining requests to take; once at least an eighth of the rows
+are finished for more than ``COMPACT_PATIENCE`` steps (or half at once) they are dropped (KV cache
+rows selected, all-padding leading columns trimmed), so stragglers decode in a small batch. The KV
+cache appends in place (:class:`.torch_batch.SlackLayer`) instead of copying itself every step.
 """
 
 from __future__ import annotations
@@ -25,26 +36,31 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dora_rl.modeling import decode_completion, load_weights, state_dict_for_transfer
 
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
+from .torch_batch import Batch, absorb, feed, mergeable, new_cache, prefill, select, trim
 
 if TYPE_CHECKING:
     from dora_rl.infra.weight_sync import Fetcher
     from dora_rl.infra.weights.fetcher import FetchStats
     from dora_rl.schemas.records import PolicyVersion
 
+COMPACT_PATIENCE = 4
+"""Decode steps a batch keeps finished rows (an eighth or more, under half) for joining requests to
+take before it drops them (a copy of the whole cache)."""
+
 
 class TorchEngine:
-    """Batched sampler over a HF causal LM (implements :class:`~.engine.Engine`).
+    """Continuously batched sampler over a HF causal LM (implements :class:`~.engine.Engine`).
 
     ``temperature`` must be > 0 (log-probs of the sampling distribution must exist). ``eos_id``
     defaults to the tokenizer's EOS; a sequence of ids means "stop at any of them". ``seed`` seeds
     this engine's private ``torch.Generator`` (the global RNG is never used). ``prefill_tokens``
-    bounds the padded size of one prefill forward.
+    bounds the padded size of one prefill forward. Models whose KV cache layers cannot be merged
+    (see :func:`.torch_batch.mergeable`) are batched statically (``add`` returns False).
     """
 
     def __init__(
@@ -72,11 +88,15 @@ class TorchEngine:
         self.pad_id = int(pad_id) if pad_id is not None else min(self.eos_ids)
         self.prefill_tokens = int(prefill_tokens)
         self.device = next(model.parameters()).device
+        self.continuous = mergeable(new_cache(model))
+        """Whether requests can join a running call (:meth:`add`)."""
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._weights_lock = threading.Lock()  # held for a whole generate(): C1
-        self._abort_lock = threading.Lock()
+        self._abort_lock = threading.Lock()  # also guards _incoming and _running
         self._abort_ids: set[str] = set()
         self._abort_epoch = 0  # bumped by abort(None): aborts every call that started before
+        self._incoming: list[GenRequest] = []  # added to the running call, not yet admitted
+        self._running = False  # a call runs and still admits requests
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -101,8 +121,21 @@ class TorchEngine:
             return state_dict_for_transfer(self.model)
 
     def add(self, requests: Sequence[GenRequest]) -> bool:
-        """Static batching: requests wait for the next ``generate`` call."""
-        return False
+        """Thread-safe continuous batching: admit ``requests`` into the running ``generate`` call.
+
+        Returns False (admitting nothing) when no call runs (or is about to return) or the model's
+        cache cannot merge rows; the caller then starts a new call. Admitted requests are prefilled
+        and join the batch at the next decode step, report through the running call's callbacks, and
+        the call returns once they are finished too. Their ids must differ from the call's unfinished
+        ones.
+        """
+        if not self.continuous:
+            return False
+        with self._abort_lock:
+            if not self._running:
+                return False
+            self._incoming.extend(requests)
+        return True
 
     def decode(self, token_ids: list[int]) -> str:
         return decode_completion(self.tokenizer, token_ids) if self.tokenizer is not None else ""
@@ -110,7 +143,8 @@ class TorchEngine:
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Abort these requests (every request of running calls if ``None``) at the next step.
 
-        An id aborted before its ``generate`` starts is aborted at once when it does.
+        An id aborted before its ``generate`` starts (or before it joins a running call) is aborted at
+        once when it does.
         """
         with self._abort_lock:
             if request_ids is None:
@@ -125,14 +159,20 @@ class TorchEngine:
         chunk_tokens: int = 16,
         on_finish: FinishCallback | None = None,
     ) -> list[GenResult]:
-        """Generate every request (see :class:`~.engine.Engine`); results in request order."""
-        ids = checked_ids(requests, chunk_tokens)
+        """Generate every request (see :class:`~.engine.Engine`); results in request order, then the
+        requests :meth:`add` admitted, in admission order."""
+        checked_ids(requests, chunk_tokens)
         with self._weights_lock, torch.no_grad():
+            run = _Run(self, requests, on_chunk, chunk_tokens, on_finish)
+            with self._abort_lock:
+                self._running = True
             try:
-                return _Run(self, requests, on_chunk, chunk_tokens, on_finish).run()
+                return run.run()
             finally:
                 with self._abort_lock:
-                    self._abort_ids.difference_update(ids)
+                    self._running = False
+                    self._incoming.clear()  # a call that raised takes the requests that joined it along
+                    self._abort_ids.difference_update(r.request_id for r in run.requests)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -140,24 +180,57 @@ class TorchEngine:
         with self._abort_lock:
             return (set(self._abort_ids) if self._abort_ids else set()), self._abort_epoch
 
+    def _take_incoming(self, idle: bool) -> list[GenRequest] | None:
+        """Requests added since the last step; None (and no more admissions) when ``idle`` and none."""
+        with self._abort_lock:
+            incoming, self._incoming = self._incoming, []
+            if idle and not incoming:
+                self._running = False  # from here on add() refuses: the caller starts a new call
+                return None
+            return incoming
+
+    def _forget_abort(self, request_id: str) -> None:
+        with self._abort_lock:  # an id is aborted once: a later request with it (a resume) runs
+            self._abort_ids.discard(request_id)
+
 
 class _Run:
-    """State of one ``generate`` call (per-request buffers, the batch, the KV cache)."""
+    """State of one ``generate`` call (per-request buffers and the running batch); request index ``i``
+    is the call's ``i``-th request, those admitted by ``add`` numbered after the initial ones."""
 
     def __init__(
         self, eng: TorchEngine, requests: Sequence[GenRequest], on_chunk: ChunkCallback | None,
         chunk_tokens: int, on_finish: FinishCallback | None,
     ) -> None:
-        self.eng, self.requests = eng, requests
+        self.eng = eng
         self.on_chunk, self.chunk_tokens, self.on_finish = on_chunk, chunk_tokens, on_finish
-        n = len(requests)
-        self.tokens = [list(r.partial_ids) for r in requests]
-        self.logprobs = [list(r.partial_logprobs) for r in requests]
-        self.buf_t: list[list[int]] = [[] for _ in range(n)]
-        self.buf_l: list[list[float]] = [[] for _ in range(n)]
-        self.first: list[float | None] = [None] * n
-        self.results: list[GenResult | None] = [None] * n
+        self.requests: list[GenRequest] = []
+        self.tokens: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+        self.buf_t: list[list[int]] = []
+        self.buf_l: list[list[float]] = []
+        self.first: list[float | None] = []
+        self.results: list[GenResult | None] = []
+        self.unfinished: set[str] = set()
+        self.crowded = 0  # consecutive steps with at least an eighth of the rows finished
         _, self.epoch0 = eng._abort_state()
+        self._register(requests)
+
+    def _register(self, requests: Sequence[GenRequest]) -> list[int]:
+        """Append ``requests`` to the call; returns their indices."""
+        start = len(self.requests)
+        for r in requests:
+            if r.request_id in self.unfinished:
+                raise ValueError(f"{r.request_id}: already running in this generate() call")
+            self.unfinished.add(r.request_id)
+            self.requests.append(r)
+            self.tokens.append(list(r.partial_ids))
+            self.logprobs.append(list(r.partial_logprobs))
+            self.buf_t.append([])
+            self.buf_l.append([])
+            self.first.append(None)
+            self.results.append(None)
+        return list(range(start, len(self.requests)))
 
     def _finish(self, i: int, reason: FinishReason) -> None:
         now = time.time()
@@ -169,6 +242,8 @@ class _Run:
         res = GenResult(rid, self.tokens[i], self.logprobs[i], reason,
                         first if first is not None else now, now)
         self.results[i] = res
+        self.unfinished.discard(rid)
+        self.eng._forget_abort(rid)
         if self.on_finish is not None:
             self.on_finish(res)
 
@@ -182,145 +257,79 @@ class _Run:
             return "abort"
         return None
 
-    def run(self) -> list[GenResult]:
-        eng = self.eng
-        aborted, epoch = eng._abort_state()
-        rows: list[int] = []  # batch row -> request index
-        for i in range(len(self.requests)):
+    def _admit(self, batch: Batch | None, fresh: list[int]) -> Batch | None:
+        """Finish the ``fresh`` requests that are already done (or aborted); prefill the others and
+        put them into ``batch``: in the rows of finished requests first, then appended."""
+        aborted, epoch = self.eng._abort_state()
+        rows: list[int] = []
+        for i in fresh:
             reason = self._done_reason(i, aborted, epoch)
             if reason is None:
                 rows.append(i)
             else:
                 self._finish(i, reason)
-        if rows:
-            self._decode(rows)
+        if not rows:
+            return batch
+        eng = self.eng
+        new = prefill(eng.model, [self.requests[i].prompt_ids + self.requests[i].partial_ids for i in rows],
+                      rows, eng.pad_id, eng.prefill_tokens)
+        if batch is None:
+            return new
+        return absorb(batch, new, [b for b, i in enumerate(batch.rows) if self.results[i] is not None])
+
+    def run(self) -> list[GenResult]:
+        batch: Batch | None = None
+        fresh: list[GenRequest] | None = list(self.requests)
+        indices = list(range(len(self.requests)))
+        while fresh is not None:
+            if indices:
+                batch = self._admit(batch, indices)
+            if batch is not None:
+                batch = self._step(batch)
+            fresh = self.eng._take_incoming(idle=batch is None)
+            indices = self._register(fresh) if fresh else []
         assert all(r is not None for r in self.results)
         return [r for r in self.results if r is not None]
 
-    def _prefill(self, seqs: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fill a KV cache for ``seqs``; returns ``(cache, last_logits [B, V], mask [B, W], last_pos [B, 1])``.
-
-        Identical sequences (a GRPO group's copies of one prompt) are computed once and their cache
-        rows repeated; distinct ones are computed in length-sorted chunks of at most
-        ``prefill_tokens`` padded tokens, then left-padded to a common width ``W`` (padding masked
-        out). Same result as one left-padded forward over the whole batch, without its padding.
-        """
-        eng, dev = self.eng, self.eng.device
-        width = max(len(s) for s in seqs)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            mask[b, width - len(s):] = 1
-        mask = mask.to(dev)
-        last_pos = torch.tensor([[len(s) - 1] for s in seqs], dtype=torch.long, device=dev)
-        cache = DynamicCache(config=eng.model.config)
-        if not _trimmable(cache):  # unknown layer types: one padded forward
-            chunks_in: list[list[list[int]]] = [seqs]
-            expand = list(range(len(seqs)))
-        else:
-            uniq: dict[tuple[int, ...], int] = {}
-            row_u = [uniq.setdefault(tuple(s), len(uniq)) for s in seqs]
-            keys = list(uniq)
-            order = sorted(range(len(keys)), key=lambda u: len(keys[u]))
-            rank = {u: r for r, u in enumerate(order)}
-            expand = [rank[u] for u in row_u]
-            chunks_in = []
-            cur: list[list[int]] = []
-            for u in order:
-                if cur and (len(cur) + 1) * len(keys[u]) > eng.prefill_tokens:
-                    chunks_in.append(cur)
-                    cur = []
-                cur.append(list(keys[u]))
-            chunks_in.append(cur)
-        logits, parts = [], []
-        for chunk in chunks_in:
-            w = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), w), eng.pad_id, dtype=torch.long)
-            m = torch.zeros((len(chunk), w), dtype=torch.long)
-            for b, s in enumerate(chunk):
-                ids[b, w - len(s):] = torch.tensor(s, dtype=torch.long)
-                m[b, w - len(s):] = 1
-            ids, m = ids.to(dev), m.to(dev)
-            part = DynamicCache(config=eng.model.config) if len(chunks_in) > 1 else cache
-            out = eng.model(input_ids=ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0),
-                            past_key_values=part, use_cache=True, logits_to_keep=1)
-            logits.append(out.logits[:, -1, :])
-            parts.append(part)
-        idx = torch.tensor(expand, dtype=torch.long, device=dev)
-        if len(parts) > 1:
-            for li, layer in enumerate(cache.layers):
-                ks, vs = [], []
-                for part in parts:
-                    pl = part.layers[li]
-                    assert isinstance(pl, DynamicLayer) and pl.keys is not None and pl.values is not None
-                    pad = (0, 0, width - pl.keys.shape[-2], 0)
-                    ks.append(torch.nn.functional.pad(pl.keys, pad))
-                    vs.append(torch.nn.functional.pad(pl.values, pad))
-                assert isinstance(layer, DynamicLayer)
-                layer.update(torch.cat(ks)[idx], torch.cat(vs)[idx])
-        elif expand != list(range(len(seqs))):
-            cache.batch_select_indices(idx)
-        return cache, torch.cat(logits)[idx], mask, last_pos
-
-    def _decode(self, rows: list[int]) -> None:
-        eng, dev = self.eng, self.eng.device
-        cache, last_logits, mask, last_pos = self._prefill(
-            [self.requests[i].prompt_ids + self.requests[i].partial_ids for i in rows])
-        alive = list(rows)
-        while True:
-            logp = torch.log_softmax(last_logits.float() / eng.temperature, dim=-1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=eng._gen)  # [B, 1]
-            nlp = logp.gather(-1, nxt)[:, 0]
-            now = time.time()
-            aborted, epoch = eng._abort_state()
-            keep: list[int] = []
-            for b, (tok, lp) in enumerate(zip(nxt[:, 0].tolist(), nlp.tolist(), strict=True)):
-                i = rows[b]
-                if self.results[i] is not None:  # finished earlier, row not compacted yet
-                    continue
-                self.tokens[i].append(tok)
-                self.logprobs[i].append(lp)
-                if self.first[i] is None:
-                    self.first[i] = now
-                self.buf_t[i].append(tok)
-                self.buf_l[i].append(lp)
-                if len(self.buf_t[i]) >= self.chunk_tokens and self.on_chunk is not None:
-                    self.on_chunk(self.requests[i].request_id, self.buf_t[i], self.buf_l[i])
-                    self.buf_t[i], self.buf_l[i] = [], []
-                reason = self._done_reason(i, aborted, epoch)
-                if reason is None:
-                    keep.append(b)
-                else:
-                    self._finish(i, reason)
-            alive = [rows[b] for b in keep]
-            if not alive:
-                return
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            last_pos = last_pos + 1
-            if (len(rows) - len(keep)) * 8 >= len(rows):
-                idx = torch.tensor(keep, dtype=torch.long, device=dev)
-                mask, last_pos, nxt = mask[idx], last_pos[idx], nxt[idx]
-                start = int((mask.sum(0) > 0).nonzero()[0, 0])
-                _compact_cache(cache, idx, start)
-                if start > 0 and _trimmable(cache):
-                    mask = mask[:, start:]
-                rows = alive
-            out = eng.model(input_ids=nxt, attention_mask=mask, position_ids=last_pos,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
-            last_logits = out.logits[:, -1, :]
-
-
-def _trimmable(cache: DynamicCache) -> bool:
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-def _compact_cache(cache: DynamicCache, idx: torch.Tensor, start: int) -> None:
-    """Keep batch rows ``idx``; drop the first ``start`` (all-padding) columns if every layer allows."""
-    if start > 0 and _trimmable(cache):
-        for layer in cache.layers:
-            assert isinstance(layer, DynamicLayer)
-            keys, values = layer.keys, layer.values
-            assert keys is not None and values is not None
-            layer.keys = keys[idx, :, start:]
-            layer.values = values[idx, :, start:]
-    else:
-        cache.batch_select_indices(idx)
+    def _step(self, batch: Batch) -> Batch | None:
+        """Sample one token for every row and feed it; None when no row is left."""
+        eng = self.eng
+        logp = torch.log_softmax(batch.logits.float() / eng.temperature, dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=eng._gen)  # [B, 1]
+        nlp = logp.gather(-1, nxt)[:, 0]
+        now = time.time()
+        aborted, epoch = eng._abort_state()
+        keep: list[int] = []
+        finished = False
+        for b, (tok, lp) in enumerate(zip(nxt[:, 0].tolist(), nlp.tolist(), strict=True)):
+            i = batch.rows[b]
+            if self.results[i] is not None:  # finished earlier, row not compacted yet
+                continue
+            self.tokens[i].append(tok)
+            self.logprobs[i].append(lp)
+            if self.first[i] is None:
+                self.first[i] = now
+            self.buf_t[i].append(tok)
+            self.buf_l[i].append(lp)
+            if len(self.buf_t[i]) >= self.chunk_tokens and self.on_chunk is not None:
+                self.on_chunk(self.requests[i].request_id, self.buf_t[i], self.buf_l[i])
+                self.buf_t[i], self.buf_l[i] = [], []
+            reason = self._done_reason(i, aborted, epoch)
+            if reason is None:
+                keep.append(b)
+            else:
+                self._finish(i, reason)
+                finished = True
+        if not keep:
+            return None
+        dead = len(batch.rows) - len(keep)
+        crowd = dead * 8 >= len(batch.rows)
+        self.crowded = self.crowded + 1 if crowd else 0
+        if crowd and (self.crowded > COMPACT_PATIENCE or dead * 2 >= len(batch.rows) or not eng.continuous):
+            batch = select(batch, keep)  # a copy of the cache: only when joiners did not take the rows
+            nxt = nxt[torch.tensor(keep, dtype=torch.long, device=nxt.device)]
+            self.crowded = 0
+        elif finished:
+            trim(batch, keep)
+        feed(eng.model, batch, nxt)
+        return batch
