@@ -218,7 +218,8 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "against its trajectory's (C1). No monitor reads this topic today."),
         TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
                   "completed trajectories (reward null), in completion order",
-                  writers=("rollout", "bench-pipeline"), readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard"),
+                  writers=("rollout", "bench-pipeline"),
+                  readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard"),
                   key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
                   notes="The orchestrator reads completions (instance load, batch planning); the key's "
                         "version is the request's."),
@@ -255,7 +256,8 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "gradient norm with the announced train metrics."),
         TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, exactly TBS trajectories inline",
                   writers=("assembler", "replay"),
-                  readers=("trainer", "orchestrator", "audit", "replay", "bench", "bench-pipeline", "monitor", "dashboard"),
+                  readers=("trainer", "orchestrator", "audit", "replay", "bench", "bench-pipeline", "monitor",
+                           "dashboard"),
                   key="v<train_step:010d>/step<train_step>", partitioning="single",
                   retention_ms=month, max_message_bytes=BATCH_MAX_BYTES,
                   notes="The key's version is the base version (= train step). The orchestrator reads "

@@ -10,9 +10,11 @@ so it is withdrawn and a replacement prompt dispatched), ``dora.train.batches`` 
 plans) and ``dora.metrics``.
 
 It is a :class:`~dora_rl.streams.processor.Processor`: events go into the rules in :meth:`process`,
-decisions come out in :meth:`punctuate` (once per poll: the rules' feasibility checks cost
-``O(RBS log RBS)`` per call), and :meth:`snapshot` is the rules' state with queued prompts and
-migrating partials kept as references into the log. Run by
+decisions come out in :meth:`punctuate` (once per poll: a punctuate with nothing to do costs
+``O(S)``, ``S`` the max staleness, as the rules read counts kept in step instead of scanning
+trajectories, :mod:`dora_rl.streams.dora_policy`; all the orchestrator does per training step costs
+``O(N log N)`` for ``N`` instances, ``bench/orchestration.py``), and :meth:`snapshot` is the rules'
+state with queued prompts and migrating partials kept as references into the log. Run by
 :class:`~dora_rl.streams.kafka_runtime.KafkaDriver`, every commit puts the requests and plans decided,
 the snapshot and the consumed positions in one transaction: a restarted orchestrator restores the
 state its committed decisions were made in, so no prompt is dispatched twice or lost, and a zombie

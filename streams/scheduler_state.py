@@ -16,9 +16,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .dora_policy import DoraScheduler, Migration, TrajState
+from .dora_policy import DoraScheduler
+from .dora_state import TrajState
 from .planning import Planner
-from .scheduling import Cancel, Scheduler, SchedulingRules
+from .scheduling import Cancel, Migration, Scheduler, SchedulingRules
 
 Dump = Callable[[Any], Any]
 Load = Callable[[Any], Any]

@@ -14,7 +14,7 @@ A *wave* is the ``TBS / G`` prompts (``TBS`` trajectories) destined for one trai
   ``w - 1`` has consumed wave ``w - 1``. Staleness is always 0.
 - ``one_step_off``: wave ``w`` is dispatched with version ``max(0, w - 1)`` once that version
   exists, so generation runs one version ahead of training. Staleness <= 1.
-- ``partial`` and ``dora``: see :mod:`dora_rl.streams.dora_policy`.
+- ``dora``: see :mod:`dora_rl.streams.dora_policy`; ``partial``: see :mod:`dora_rl.streams.partial_policy`.
 
 Instances: each request goes to the least-loaded instance (fewest trajectories dispatched and
 not yet completed), ties broken by index, so load spreads evenly.
@@ -296,7 +296,8 @@ class Scheduler(Generic[P]):
 
 def make_scheduler(config: DoraConfig) -> SchedulingRules[Any]:
     """The scheduling rules of ``config.mode``."""
-    from .dora_policy import DoraScheduler, PartialScheduler
+    from .dora_policy import DoraScheduler
+    from .partial_policy import PartialScheduler
 
     if config.mode == "dora":
         return DoraScheduler(config)

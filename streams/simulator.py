@@ -6,12 +6,20 @@ instances' rule (:mod:`dora_rl.core.instance_policy`: which version to hold, whi
 run unchanged; only the world around them is simulated on a virtual clock:
 
 - **instances**: each holds one version and decodes its active trajectories together, one token
-  each per decode step of ``step_time(active, capacity)`` seconds (the emulated model of
-  :mod:`dora_rl.core.emulation`), plus ``prefill_time(prompt + partial tokens)`` when a trajectory
-  is admitted; lengths are the emulated model's long-tailed ``planned_length``;
-- **trainer**: takes batch ``k`` when it is cut and idle, spends ``train_s_per_token * tokens +
-  train_s_fixed``, then publishes version ``k + 1`` (switching an instance costs ``switch_s``);
+  each per decode step; the costs are the emulated model's (:mod:`dora_rl.core.emulation`): a step's
+  time grows with occupancy and with the context its sequences hold (KV reads), prefill (and the
+  re-prefill of a resumed partial) grows with its tokens, admission waits for KV capacity and an
+  overflow preempts the newest sequence (recomputed later), a version switch costs ``switch_s``;
+  lengths are the model's long-tailed ``planned_length``. Between events an instance's active set is
+  fixed, so its progress is advanced in closed form (:func:`decode_steps_within`), not step by step;
+- **trainer**: takes batch ``k`` when it is cut and idle, spends ``train_s_fixed + train_s_per_token *
+  (prompt + response tokens)``, then publishes version ``k + 1``;
 - **migration**: a cancelled trajectory's tokens so far move to an instance of the same version.
+
+Where the time goes (instance-seconds, :class:`LostTime`): decoding (its empty slots are the
+*intra-instance bubble*), prefill of new requests, re-prefill of resumed or preempted partials,
+weight switches, and idle with nothing to decode (the *inter-instance bubble*); the trainer's wait
+for its next batch is ``wall - trainer busy``.
 
 So scale (thousands of instances) can be studied on one machine, and the rules' invariants
 (C1–C3, TBS exact, nothing lost) are checked over random workloads in unit tests. The simulator
@@ -21,11 +29,20 @@ imports no Kafka client (a unit test checks it).
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from dora_rl.config import DoraConfig
-from dora_rl.core.emulation import EmulatedParams, planned_length, prefill_time, step_time
+from dora_rl.core.emulation import (
+    EmulatedParams,
+    decode_steps_within,
+    decode_time,
+    kv_admits,
+    kv_steps_left,
+    planned_length,
+    prefill_time,
+)
 from dora_rl.core.instance_policy import next_version, startable
 
 from .batching import BatchAssembler
@@ -38,8 +55,14 @@ class _Traj:
     group_id: str
     version: int
     length: int
+    prompt: int = 16
     done_tokens: int = 0
+    mark: int = 0  # the instance's step count when done_tokens was last brought up to date
     versions: set[int] = field(default_factory=set)
+
+    @property
+    def context(self) -> int:
+        return self.prompt + self.done_tokens
 
 
 @dataclass(frozen=True)
@@ -47,6 +70,22 @@ class _Done:
     trajectory_id: str
     group_id: str
     policy_version: int
+
+
+@dataclass
+class LostTime:
+    """Instance-seconds by use, summed over instances (see the module docstring)."""
+
+    decode_s: float = 0.0
+    intra_bubble_s: float = 0.0
+    prefill_s: float = 0.0
+    reprefill_s: float = 0.0
+    switch_s: float = 0.0
+    idle_s: float = 0.0
+    preemptions: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -65,6 +104,11 @@ class SimResult:
     instance_busy_s: float
     dispatched: int
     migrations: int
+    lost: LostTime = field(default_factory=lambda: LostTime())
+    train_start_s: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    """Response tokens of each step's batch."""
 
     @property
     def throughput(self) -> float:
@@ -76,35 +120,96 @@ class _Instance:
     def __init__(self, index: int, capacity: int, params: EmulatedParams) -> None:
         self.index, self.capacity, self.params = index, capacity, params
         self.version = -1
-        self.active: dict[str, _Traj] = {}
-        self.queue: list[_Traj] = []  # waiting for a slot, or for the held version to drain (C1)
+        self.active: dict[str, _Traj] = {}  # in admission order: the newest is preempted first
+        # waiting for a slot, KV room, or the held version to drain (C1): per version, in arrival order (the
+        # instance rule only ever starts the held version's requests, first come first)
+        self.queue: dict[int, deque[_Traj]] = {}
         self.t = 0.0  # time up to which decoding has been applied
-        self.busy_s = 0.0
+        self.steps = 0  # decode steps taken so far
+        self.ctx = 0  # context tokens held by the active sequences
+        self.lost = LostTime()
         self.epoch = 0  # invalidates scheduled events when the active set changes
+        self.finish_at: list[tuple[int, str]] = []  # heap of (step count at which it finishes, id); lazy deletion
+
+    def sync(self, tr: _Traj) -> None:
+        """Bring ``tr.done_tokens`` up to date (its progress is counted by the instance's steps)."""
+        tr.done_tokens += self.steps - tr.mark
+        tr.mark = self.steps
+
+    def _finish_step(self, tr: _Traj) -> int:
+        return tr.mark + tr.length - tr.done_tokens
+
+    def first_finish(self) -> int | None:
+        """The step count at which the next active trajectory finishes (O(log n) amortised)."""
+        while self.finish_at:
+            step, tid = self.finish_at[0]
+            tr = self.active.get(tid)
+            if tr is not None and self._finish_step(tr) == step:
+                return step
+            heapq.heappop(self.finish_at)
+        return None
+
+    def finished(self) -> list[str]:
+        """Ids of the active trajectories that have decoded their whole length."""
+        out = []
+        while True:
+            step = self.first_finish()
+            if step is None or step > self.steps:
+                break
+            tid = heapq.heappop(self.finish_at)[1]
+            if tid not in out:  # re-admitted at the step it left: two equal entries
+                out.append(tid)
+        return out
+
+    def add(self, tr: _Traj) -> None:
+        tr.mark = self.steps
+        self.active[tr.tid] = tr
+        self.ctx += tr.context
+        heapq.heappush(self.finish_at, (self._finish_step(tr), tr.tid))
+
+    def _limit(self) -> int:
+        """Steps the active set can take before one finishes or the KV cache overflows."""
+        first = self.first_finish()
+        assert first is not None, "every active trajectory has its finish step on the heap"
+        k = first - self.steps
+        kv = kv_steps_left(self.ctx, len(self.active), self.params)
+        return max(0, k if kv is None else min(k, kv))
 
     def advance(self, now: float) -> None:
-        """Apply decoding up to ``now`` (whole steps only)."""
-        while self.active and self.t < now:
-            dt = step_time(len(self.active), self.capacity, self.params)
-            if self.t + dt > now + 1e-12:
-                break
-            self.t += dt
-            self.busy_s += dt
-            for tr in self.active.values():
-                tr.done_tokens += 1
-        if not self.active:
-            self.t = max(self.t, now)
+        """Apply the whole decode steps that end by ``now`` (closed form, the active set is fixed)."""
+        if self.active and self.t < now:
+            n = len(self.active)
+            k = min(self._limit(), decode_steps_within(now - self.t, n, self.capacity, self.ctx, self.params))
+            if k > 0:
+                dt = decode_time(k, n, self.capacity, self.ctx, self.params)
+                self.t += dt
+                self.lost.decode_s += dt
+                self.lost.intra_bubble_s += dt * max(0.0, 1.0 - n / self.capacity)
+                self.steps += k
+                self.ctx += n * k
+        if not self.active and self.t < now:
+            self.t = now
 
-    def next_finish(self) -> float | None:
+    def remove(self, tid: str) -> _Traj | None:
+        tr = self.active.pop(tid, None)
+        if tr is not None:
+            self.sync(tr)
+            self.ctx -= tr.context
+        return tr
+
+    def next_event(self) -> float | None:
         if not self.active:
             return None
-        k = min(tr.length - tr.done_tokens for tr in self.active.values())
-        return self.t + max(1, k) * step_time(len(self.active), self.capacity, self.params)
+        k = max(1, self._limit())
+        return self.t + decode_time(k, len(self.active), self.capacity, self.ctx, self.params)
 
 
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
-             train_s_fixed: float = 0.2, switch_s: float = 0.05, max_events: int = 2_000_000) -> SimResult:
-    """Run ``config`` on the virtual clock; returns figures and the invariant counters."""
+             train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
+             max_events: int = 2_000_000) -> SimResult:
+    """Run ``config`` on the virtual clock; returns figures and the invariant counters.
+
+    ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it)."""
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
@@ -120,7 +225,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
 
     def schedule(inst: _Instance) -> None:
         inst.epoch += 1
-        nf = inst.next_finish()
+        nf = inst.next_event()
         if nf is not None:
             push(nf, "tick", (inst.index, inst.epoch))
 
@@ -136,6 +241,9 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     refused = 0
     migrations = 0
     pending_batches: list[Any] = []
+    train_start: list[float] = []
+    train_s: list[float] = []
+    step_tokens: list[int] = []
     sched.on_version(0, 0.0)
 
     def orchestrate(now: float) -> None:
@@ -143,21 +251,22 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         for d in sched.dispatch():
             inst = insts[d.instance]
             length, _ = planned_length(d.trajectory_id, config.max_new_tokens, p)
-            tr = _Traj(d.trajectory_id, d.group_id, d.version, length)
+            tr = _Traj(d.trajectory_id, d.group_id, d.version, length, prompt_tokens)
             trajs[tr.tid] = tr
             admit(inst, tr, now)
         for cancel in sched.take_cancels():
             inst = insts[cancel.instance]
             inst.advance(now)
+            wanted = set(cancel.trajectory_ids)
+            queued: dict[str, _Traj] = {}
+            for v, waiting in inst.queue.items():
+                if any(q.tid in wanted for q in waiting):
+                    queued.update((q.tid, q) for q in waiting if q.tid in wanted)
+                    inst.queue[v] = deque(q for q in waiting if q.tid not in wanted)
             for tid in cancel.trajectory_ids:
-                found = inst.active.pop(tid, None)
-                if found is None:
-                    queued = [q for q in inst.queue if q.tid == tid]
-                    inst.queue = [q for q in inst.queue if q.tid != tid]
-                    found = queued[0] if queued else None
+                found = inst.remove(tid) or queued.get(tid)
                 if found is not None:
-                    tr = found
-                    sched.on_aborted(tid, tr, cancel.instance)
+                    sched.on_aborted(tid, found, cancel.instance)
                     migrations += 1
             drain(inst, now)
             schedule(inst)
@@ -171,30 +280,46 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     def admit(inst: _Instance, tr: _Traj, now: float) -> None:
         """A request reaches an instance: it queues, and the instance rule decides what starts."""
         inst.advance(now)
-        inst.queue.append(tr)
+        inst.queue.setdefault(tr.version, deque()).append(tr)
         drain(inst, now)
 
     def start(inst: _Instance, tr: _Traj, now: float) -> None:
         tr.versions.add(inst.version)
-        inst.t = max(inst.t, now) + prefill_time(tr.done_tokens + 16, p)
-        inst.active[tr.tid] = tr
+        pre = prefill_time(tr.context, p)
+        if tr.done_tokens:
+            inst.lost.reprefill_s += pre
+        else:
+            inst.lost.prefill_s += pre
+        inst.t = max(inst.t, now) + pre
+        inst.add(tr)
         schedule(inst)
+
+    def fit_kv(inst: _Instance) -> None:
+        """Preempt the newest sequences until the next decode step fits the KV cache (recomputed later)."""
+        while kv_steps_left(inst.ctx, len(inst.active), p) == 0:
+            tr = inst.remove(next(reversed(inst.active)))
+            assert tr is not None
+            inst.queue.setdefault(tr.version, deque()).appendleft(tr)
+            inst.lost.preemptions += 1
 
     def drain(inst: _Instance, now: float) -> None:
         """Start queued work as the real instance does (:mod:`dora_rl.core.instance_policy`): switch
         version only when nothing decodes (C1), then start the held version's requests into free slots."""
-        version = next_version(inst.version, (tr.version for tr in inst.queue), len(inst.active))
+        version = next_version(inst.version, (v for v, q in inst.queue.items() if q), len(inst.active))
         if version is None:
             return
         if version != inst.version:
             inst.version = version
             inst.t = max(inst.t, now) + switch_s
-        starting = startable(inst.version, inst.queue, lambda tr: tr.version, len(inst.active), inst.capacity)
-        if starting:
-            ids = {tr.tid for tr in starting}
-            inst.queue = [tr for tr in inst.queue if tr.tid not in ids]
-            for tr in starting:
-                start(inst, tr, now)
+            inst.lost.switch_s += switch_s
+        waiting = inst.queue.get(inst.version, deque())
+        starting = startable(inst.version, waiting, lambda tr: tr.version, len(inst.active), inst.capacity)
+        for tr in starting:  # the head of the held version's queue; the first that does not fit the KV cache
+            if not kv_admits(inst.ctx, len(inst.active), tr.context, p):  # waits, and those after it
+                break
+            assert waiting[0] is tr
+            waiting.popleft()
+            start(inst, tr, now)
 
     def try_train(now: float) -> None:
         nonlocal trainer_free_at, trainer_busy, trained
@@ -207,7 +332,10 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         if pending_batches and trainer_free_at <= now:
             cut = pending_batches.pop(0)
             tokens = sum(trajs[t.trajectory_id].length for t in cut.trajectories)
-            dur = train_s_fixed + train_s_per_token * tokens
+            dur = train_s_fixed + train_s_per_token * (tokens + prompt_tokens * len(cut.trajectories))
+            train_start.append(now)
+            train_s.append(dur)
+            step_tokens.append(tokens)
             trainer_free_at = now + dur
             trainer_busy += dur
             trained += tokens
@@ -228,11 +356,13 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             if epoch != inst.epoch:
                 continue
             inst.advance(now + 1e-12)
-            for tid in [t for t, tr in inst.active.items() if tr.done_tokens >= tr.length]:
-                tr = inst.active.pop(tid)
+            for tid in inst.finished():
+                tr = inst.remove(tid)
+                assert tr is not None
                 sched.on_completed(tid)
                 sched.on_scored(tid)  # no scorer here: a reward is instant
                 asm.add(_Done(tid, tr.group_id, min(tr.versions)))
+            fit_kv(inst)
             drain(inst, now)
             schedule(inst)
         elif kind == "version":
@@ -241,7 +371,15 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         orchestrate(now)
         try_train(now)
     mixed = sum(1 for tr in trajs.values() if len(tr.versions) > 1)
-    return SimResult(steps=len(step_end), wall_s=step_end[-1] if step_end else now, trained_tokens=trained,
+    wall = step_end[-1] if step_end else now
+    parts = [i.lost for i in insts]
+    lost = LostTime(decode_s=sum(x.decode_s for x in parts), intra_bubble_s=sum(x.intra_bubble_s for x in parts),
+                    prefill_s=sum(x.prefill_s for x in parts), reprefill_s=sum(x.reprefill_s for x in parts),
+                    switch_s=sum(x.switch_s for x in parts), preemptions=sum(x.preemptions for x in parts))
+    used = lost.decode_s + lost.prefill_s + lost.reprefill_s + lost.switch_s
+    lost.idle_s = max(0.0, wall * len(insts) - used)
+    return SimResult(steps=len(step_end), wall_s=wall, trained_tokens=trained,
                      step_end_s=step_end, staleness=staleness, batch_sizes=sizes, refused=refused,
                      mixed_version_trajectories=mixed, trainer_busy_s=trainer_busy,
-                     instance_busy_s=sum(i.busy_s for i in insts), dispatched=len(trajs), migrations=migrations)
+                     instance_busy_s=used, dispatched=len(trajs), migrations=migrations, lost=lost,
+                     train_start_s=train_start, train_s=train_s, step_tokens=step_tokens)

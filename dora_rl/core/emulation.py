@@ -6,13 +6,23 @@ sleeps ``time_scale`` times these model seconds) and the discrete-event simulato
 
 **Timing model** (model seconds):
 
-* decode step with ``n`` active sequences on an instance of capacity ``C`` (memory-bound decode:
-  ~constant up to ``C``, then linear, i.e. ``C`` tokens per ``(1 + alpha) * base`` seconds)::
+* decode step with ``n`` active sequences holding ``ctx`` tokens of context in all (prompt + tokens
+  so far) on an instance of capacity ``C`` (memory-bound decode: the weights are read once per step,
+  ~constant up to ``C``, then linear; plus every active sequence's KV cache is read)::
 
-      step_time(n, C) = base_step_s * (1 + alpha * min(n, C) / C) * max(1, n / C)     (0 if n == 0)
+      step_time(n, C, ctx) = base_step_s * (1 + alpha * min(n, C) / C) * max(1, n / C)
+                             + kv_s_per_token * ctx                                   (0 if n == 0)
 
-* prefill when a ``generate`` call admits its requests: ``prefill_s_per_token * sum(len(prompt) +
-  len(partial))``; then every active sequence advances one token per step.
+  ``k`` steps in a row with the same ``n`` sequences (the context grows by ``n`` per step) take
+  ``k * a(n) + kv_s_per_token * (k * ctx0 + n * k * (k - 1) / 2)`` (:func:`decode_time`), inverted in
+  closed form by :func:`decode_steps_within`;
+* prefill when requests are admitted: ``prefill_s_per_token * T + prefill_s_per_token_sq * T**2 / 2``
+  with ``T = sum(len(prompt) + len(partial))`` (linear layers plus causal attention), so resuming a
+  long partial costs more than its length alone;
+* **KV capacity** (``kv_capacity_tokens`` per instance, 0 = unbounded): a request is admitted only while
+  the instance's context plus its own fits; when the next step would overflow, the most recently
+  admitted sequence is preempted and recomputed later (re-prefill of prompt + partial), as vLLM does
+  (:func:`kv_admits`, :func:`kv_steps_left`).
 
 **Length model** (all draws are hashes of ``(seed, id)``, so a length is a pure function of
 ``(seed, request_id, max_new_tokens)``; request ids are ``"<group_id>/<sample_index>"``)::
@@ -77,6 +87,12 @@ class EmulatedParams:
     """Real seconds slept per model second (0 = no sleeping: logic tests; timestamps are then ~now)."""
     load_s: float = 0.0
     """Model time of one ``load_state_dict`` (weight load)."""
+    kv_s_per_token: float = 0.0
+    """Decode step time per token of context held by the active sequences (reading their KV cache)."""
+    prefill_s_per_token_sq: float = 0.0
+    """Quadratic prefill term (causal attention): ``prefill_s_per_token_sq * T**2 / 2`` for ``T`` tokens."""
+    kv_capacity_tokens: int = 0
+    """Per-instance KV cache capacity in tokens of context (0 = unbounded)."""
     seed: int = 0
     """Seed of every length and token draw."""
     vocab: int = 32000
@@ -98,6 +114,8 @@ class EmulatedParams:
             "0 <= cap_fraction < 1": 0 <= self.cap_fraction < 1,
             "0 <= group_correlation <= 1": 0 <= self.group_correlation <= 1,
             "time_scale >= 0": self.time_scale >= 0, "load_s >= 0": self.load_s >= 0,
+            "kv_s_per_token >= 0": self.kv_s_per_token >= 0, "kv_capacity_tokens >= 0": self.kv_capacity_tokens >= 0,
+            "prefill_s_per_token_sq >= 0": self.prefill_s_per_token_sq >= 0,
             "vocab >= 5": self.vocab >= 5, "eos_id >= 0": self.eos_id >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
@@ -118,17 +136,66 @@ class EmulatedParams:
 # -- pure timing model -----------------------------------------------------------------------------
 
 
-def step_time(active: int, capacity: int, params: EmulatedParams) -> float:
-    """Model seconds of one decode step with ``active`` sequences (formula in the module docstring)."""
+def step_time(active: int, capacity: int, params: EmulatedParams, context: int = 0) -> float:
+    """Model seconds of one decode step with ``active`` sequences holding ``context`` tokens in all
+    (formula in the module docstring)."""
     if active <= 0:
         return 0.0
     cap = max(1, capacity)
-    return params.base_step_s * (1.0 + params.alpha * min(active, cap) / cap) * max(1.0, active / cap)
+    weights = params.base_step_s * (1.0 + params.alpha * min(active, cap) / cap) * max(1.0, active / cap)
+    return weights + params.kv_s_per_token * max(0, context)
+
+
+def decode_time(steps: int, active: int, capacity: int, context: int, params: EmulatedParams) -> float:
+    """Model seconds of ``steps`` decode steps in a row by the same ``active`` sequences that hold
+    ``context`` tokens before the first (each step adds ``active`` tokens of context)."""
+    if steps <= 0 or active <= 0:
+        return 0.0
+    a = step_time(active, capacity, params, 0)
+    return steps * a + params.kv_s_per_token * (steps * context + active * steps * (steps - 1) / 2.0)
+
+
+def decode_steps_within(duration: float, active: int, capacity: int, context: int, params: EmulatedParams) -> int:
+    """The most whole steps :func:`decode_time` fits in ``duration`` (the inverse, closed form)."""
+    if active <= 0 or duration <= 0:
+        return 0
+    a = step_time(active, capacity, params, context)  # the first step's time
+    q = params.kv_s_per_token * active / 2.0  # time(k) = q k^2 + (a - q) k
+    if a <= 0:
+        return 1 << 40
+    if q <= 0:
+        k = int(duration / a)
+    else:
+        b = a - q
+        k = int((-b + math.sqrt(b * b + 4.0 * q * duration)) / (2.0 * q))
+    while k > 0 and decode_time(k, active, capacity, context, params) > duration * (1 + 1e-12):
+        k -= 1
+    while decode_time(k + 1, active, capacity, context, params) <= duration * (1 + 1e-12):
+        k += 1
+    return k
 
 
 def prefill_time(tokens: int, params: EmulatedParams) -> float:
     """Model seconds to prefill ``tokens`` prompt (+ partial) tokens admitted together."""
-    return params.prefill_s_per_token * max(0, tokens)
+    t = max(0, tokens)
+    return params.prefill_s_per_token * t + params.prefill_s_per_token_sq * t * t / 2.0
+
+
+def kv_admits(context: int, active: int, request_tokens: int, params: EmulatedParams) -> bool:
+    """Whether a request of ``request_tokens`` (prompt + partial) fits next to the ``active`` sequences
+    holding ``context`` tokens, with room for one more step of all of them (so a sequence just
+    preempted is not admitted straight back). An instance with nothing active always admits one."""
+    cap = params.kv_capacity_tokens
+    return cap <= 0 or active <= 0 or context + request_tokens + active + 1 <= cap
+
+
+def kv_steps_left(context: int, active: int, params: EmulatedParams) -> int | None:
+    """Decode steps the ``active`` sequences can take before their context exceeds the KV capacity
+    (``None``: unbounded). At 0 the most recently admitted sequence must be preempted first."""
+    cap = params.kv_capacity_tokens
+    if cap <= 0 or active <= 1:  # one sequence alone runs whatever its length
+        return None
+    return max(0, (cap - context) // active)
 
 
 def batch_finish_times(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dora_rl.config import DoraConfig
-from dora_rl.streams.dora_policy import LOST, DoraScheduler
+from dora_rl.streams.dora_policy import DoraScheduler
+from dora_rl.streams.dora_state import LOST
 from dora_rl.streams.membership import Membership
 
 

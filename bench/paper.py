@@ -1,0 +1,249 @@
+"""The paper's setup on the simulator: Qwen2.5-32B, DAPO-Math-like lengths, H800, K = 3 (``bench/simulate.py --paper``).
+
+What it reports, for sync, one-step off-policy, partial rollout and DORA (S = 2, K = 3), each at its own
+best setting from a small sweep (all runs recorded), mean and spread over seeds:
+
+* **step time** and **throughput** (trained response tokens / s) over the steady steps (the first
+  ``warmup`` steps are left out), and the **rollout phase** = step time - training time (the part of a
+  step the trainer spends waiting for its batch and its weights to land); the paper's ratios next to them;
+* each mode as a fraction of the **bubble-free bound** (below);
+* where each mode's GPU-time goes: training, decoding (its empty slots: intra-instance bubble),
+  prefill, re-prefill, weight switches, rollout GPUs with nothing to decode (inter-instance bubble) and
+  trainer GPUs waiting.
+
+Hardware, model and every cost parameter: :mod:`dora_rl.core.hardware_costs` (sources next to each).
+Settings: sync is colocated (every GPU generates, then every GPU trains, weights resharded over NVLink:
+how verl runs it); the asynchronous modes are disaggregated (``r`` rollout GPUs, ``N - r`` trainer
+GPUs, weights pulled over the network), ``r`` swept. ``train_mfu`` is the only fitted parameter: chosen on
+the 64-GPU rows (``--fit``), frozen, then the 128-GPU rows are predicted.
+
+**Bound** (bubble-free: every decode slot busy, the trainer never waiting), in response tokens / s:
+``R(r) = r / TP * n_slots / (step(n_slots, ctx) + n_slots * prefill(prompt) / E[L])`` with ``n_slots =
+min(max_num_seqs, kv_capacity / E[ctx])`` and the time-averaged context of a busy slot ``E[ctx] = prompt +
+E[L^2] / (2 E[L])``; ``T(t) = E[L] / ((E[L] + prompt) * train_s_per_token(t))``; disaggregated
+``min(R(r), T(N - r))``, colocated ``1 / (1 / R(N) + 1 / T(N))``; the bound is the best of all layouts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dora_rl.config import DoraConfig
+from dora_rl.core.emulation import EmulatedParams, prefill_time, sample_lengths, step_time
+from dora_rl.core.hardware_costs import (
+    H800,
+    QWEN25_32B,
+    Efficiencies,
+    rollout_params,
+    switch_seconds,
+    train_seconds_per_token,
+)
+from dora_rl.streams.simulator import SimResult, simulate
+
+PAPER = {64: {"rollout_phase": 8.2, "step_time": 1.56, "throughput": 1.65},
+         128: {"throughput": 2.12, "vs_one_step_off": 1.47, "vs_partial": 1.11}}
+"""The paper's ratios of DORA against each baseline (DESIGN.md section 1)."""
+
+TP = 4
+"""GPUs per rollout instance (the DAPO Qwen2.5-32B recipe's ``gen_tp = 4``)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """DAPO-Math-like shapes (issue 13: mean ~2.4K tokens, cap 30K, p99/p50 > 10)."""
+
+    tbs: int = 8192
+    """512 prompts x 16 samples (the DAPO recipe's ``train_prompt_bsz`` x ``n_resp_per_prompt``)."""
+    group: int = 16
+    cap: int = 30_000
+    prompt: int = 200
+    """Mean prompt tokens of DAPO-Math-17k with its template (~150-250)."""
+    length_median: float = 1000.0
+    sigma: float = 1.1
+    """p99/p50 of the body = exp(2.326 sigma) = 12.9."""
+    cap_fraction: float = 0.02
+    """Responses that run to the cap (the 'spike at the cap'); with the body this gives a mean of ~2.4K."""
+    steps: int = 8
+    warmup: int = 2
+    train_s_fixed: float = 5.0
+    """Per step fixed trainer cost (optimizer step, checkpoint of the version to serve)."""
+    max_num_seqs: int = 256
+    """vLLM's ``max_num_seqs`` per instance."""
+
+    def params(self, eff: Efficiencies, seed: int) -> EmulatedParams:
+        return rollout_params(H800, QWEN25_32B, eff, TP, self.max_num_seqs, seed=seed,
+                              length_median=self.length_median, sigma=self.sigma, cap_fraction=self.cap_fraction)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One mode's layout and over-provisioning."""
+
+    mode: str
+    staleness: int
+    rbs_factor: float
+    rollout_gpus: int
+    train_gpus: int
+    colocated: bool = False
+
+    @property
+    def name(self) -> str:
+        lay = "colocated" if self.colocated else f"{self.rollout_gpus}r+{self.train_gpus}t"
+        return f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay}"
+
+
+def settings(mode: str, gpus: int) -> list[Setting]:
+    """The sweep of ``mode`` on ``gpus`` GPUs (see the module docstring)."""
+    if mode == "sync":
+        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True)]
+    splits = [gpus // 2, 5 * gpus // 8, 3 * gpus // 4]
+    factors = {"one_step_off": [2.0], "partial": [1.5, 2.0], "dora": [2.0, 3.0]}[mode]
+    s = {"one_step_off": 1, "partial": 0, "dora": 2}[mode]
+    return [Setting(mode, s, f, r, gpus - r) for r in splits for f in factors]
+
+
+def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str, Any]:
+    """Simulate one setting and seed; the figures of the steady steps."""
+    p = w.params(eff, seed)
+    n_inst = setting.rollout_gpus // TP
+    rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
+    cfg = DoraConfig.from_dict({
+        "mode": setting.mode, "max_staleness": setting.staleness, "steps": w.steps, "train_batch_size": w.tbs,
+        "group_size": w.group, "rollout_batch_size": rbs, "num_instances": n_inst,
+        "instance_concurrency": w.max_num_seqs, "max_new_tokens": w.cap, "engine": "emulated",
+        "num_partitions": max(16, n_inst)})
+    spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
+    r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
+                 switch_s=switch_seconds(H800, QWEN25_32B, TP, colocated=setting.colocated))
+    return figures(r, setting, w, n_inst)
+
+
+def figures(r: SimResult, setting: Setting, w: Workload, n_inst: int) -> dict[str, Any]:
+    ends = [0.0, *r.step_end_s]
+    k0 = w.warmup
+    span = ends[-1] - ends[k0]
+    steps = [ends[i + 1] - ends[i] for i in range(k0, len(r.step_end_s))]
+    train = r.train_s[k0:len(r.step_end_s)]
+    gpus = setting.train_gpus if setting.colocated else setting.rollout_gpus + setting.train_gpus
+    gpu_s = gpus * r.wall_s
+    lost = r.lost
+    train_gpu_s = r.trainer_busy_s * setting.train_gpus
+    idle = lost.idle_s * TP - (train_gpu_s if setting.colocated else 0.0)
+    parts = {"train": train_gpu_s, "decode": (lost.decode_s - lost.intra_bubble_s) * TP,
+             "intra_instance_bubble": lost.intra_bubble_s * TP, "prefill": lost.prefill_s * TP,
+             "re_prefill": lost.reprefill_s * TP, "weight_sync": lost.switch_s * TP,
+             "inter_instance_bubble": max(0.0, idle),
+             "trainer_wait": 0.0 if setting.colocated else (r.wall_s - r.trainer_busy_s) * setting.train_gpus}
+    return {"step_time_s": span / len(steps), "throughput": sum(r.step_tokens[k0:]) / span,
+            "rollout_phase_s": statistics.fmean(s - t for s, t in zip(steps, train, strict=True)),
+            "train_s": statistics.fmean(train), "max_staleness": max(r.staleness), "refused": r.refused,
+            "c1_breaks": r.mixed_version_trajectories, "preemptions": lost.preemptions,
+            "gpu_time_share": {k: v / gpu_s for k, v in parts.items()}, "instances": n_inst}
+
+
+def bound(gpus: int, w: Workload, eff: Efficiencies, seed: int = 0) -> dict[str, Any]:
+    """The bubble-free throughput bound (formula in the module docstring), best layout."""
+    p = w.params(eff, seed)
+    lengths = sample_lengths(20_000, p, w.cap, w.group).astype(float)
+    mean_l = float(lengths.mean())
+    ctx = w.prompt + float((lengths ** 2).mean()) / (2 * mean_l)
+    slots = max(1, min(w.max_num_seqs, int(p.kv_capacity_tokens / ctx)))
+
+    def rollout(r: int) -> float:
+        per_token = step_time(slots, w.max_num_seqs, p, int(slots * ctx)) / slots + prefill_time(w.prompt, p) / mean_l
+        return (r // TP) / per_token
+
+    def trainer(t: int) -> float:
+        return mean_l / ((mean_l + w.prompt) * train_seconds_per_token(H800, QWEN25_32B, eff, t))
+
+    layouts = {"colocated": 1.0 / (1.0 / rollout(gpus) + 1.0 / trainer(gpus))}
+    for r in range(TP, gpus, TP):
+        layouts[f"{r}r+{gpus - r}t"] = min(rollout(r), trainer(gpus - r))
+    best = max(layouts, key=lambda k: layouts[k])
+    return {"tokens_per_s": layouts[best], "layout": best, "mean_length": mean_l, "busy_slot_context": ctx,
+            "slots_per_instance": slots, "p99_over_p50": float(sorted(lengths)[int(0.99 * len(lengths))]
+                                                               / sorted(lengths)[len(lengths) // 2])}
+
+
+def mean_spread(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
+    xs = [r[key] for r in runs]
+    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
+
+
+def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: Any = print) -> dict[str, Any]:
+    """Every setting of every mode over ``seeds``; each mode's best by mean throughput; ratios and bound."""
+    out: dict[str, Any] = {"gpus": gpus, "sweep": {}, "best": {}}
+    for mode in ("sync", "one_step_off", "partial", "dora"):
+        best_name, best_thr = "", -1.0
+        for st in settings(mode, gpus):
+            runs = [run(st, w, eff, s) for s in seeds]
+            agg = {k: mean_spread(runs, k) for k in ("step_time_s", "throughput", "rollout_phase_s", "train_s")}
+            agg["runs"] = runs
+            out["sweep"][st.name] = agg
+            log(f"  {gpus} GPUs {st.name:42s} step {agg['step_time_s']['mean']:7.1f}s  thr "
+                f"{agg['throughput']['mean']:8.0f} tok/s  rollout phase {agg['rollout_phase_s']['mean']:6.1f}s")
+            if agg["throughput"]["mean"] > best_thr:
+                best_name, best_thr = st.name, agg["throughput"]["mean"]
+        out["best"][mode] = best_name
+    b = bound(gpus, w, eff)
+    out["bound"] = b
+    best = {m: out["sweep"][n] for m, n in out["best"].items()}
+    out["fraction_of_bound"] = {m: a["throughput"]["mean"] / b["tokens_per_s"] for m, a in best.items()}
+    d = best["dora"]
+    out["ratios"] = {
+        "rollout_phase": best["sync"]["rollout_phase_s"]["mean"] / d["rollout_phase_s"]["mean"],
+        "step_time": best["sync"]["step_time_s"]["mean"] / d["step_time_s"]["mean"],
+        "throughput": d["throughput"]["mean"] / best["sync"]["throughput"]["mean"],
+        "vs_one_step_off": d["throughput"]["mean"] / best["one_step_off"]["throughput"]["mean"],
+        "vs_partial": d["throughput"]["mean"] / best["partial"]["throughput"]["mean"]}
+    out["gpu_time_share"] = {m: {k: statistics.fmean(r["gpu_time_share"][k] for r in a["runs"])
+                                 for k in a["runs"][0]["gpu_time_share"]} for m, a in best.items()}
+    return out
+
+
+def fit_train_mfu(w: Workload, seeds: list[int], grid: list[float], log: Any = print) -> tuple[float, list[Any]]:
+    """``train_mfu`` on the 64-GPU rows: the grid value whose three ratios are closest to the paper's
+    (sum of squared log errors); every candidate is recorded."""
+    import math
+
+    tried = []
+    for mfu in grid:
+        res = evaluate(64, w, replace(Efficiencies(), train_mfu=mfu), seeds, log=lambda *_: None)
+        err = sum(math.log(res["ratios"][k] / v) ** 2 for k, v in PAPER[64].items())
+        tried.append({"train_mfu": mfu, "ratios": res["ratios"], "sq_log_error": err})
+        log(f"  fit: train_mfu {mfu:.2f} -> {res['ratios']} (error {err:.3f})")
+    best = min(tried, key=lambda x: x["sq_log_error"])
+    return float(best["train_mfu"]), tried
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One setting on the paper's setup, every seed: ``python bench/paper.py --mode dora --gpus 64
+    --rollout-gpus 32 --rbs-factor 3 --seeds 0`` (prints its figures and the bound as JSON)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--mode", choices=("sync", "one_step_off", "partial", "dora"), required=True)
+    ap.add_argument("--gpus", type=int, default=64)
+    ap.add_argument("--rollout-gpus", type=int, default=32, help="disaggregated modes: GPUs that generate")
+    ap.add_argument("--rbs-factor", type=float, default=2.0)
+    ap.add_argument("--staleness", type=int, default=None, help="default: sync/partial 0, one_step_off 1, dora 2")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)
+    a = ap.parse_args(argv)
+    s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "dora": 2}[a.mode]
+    st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True) if a.mode == "sync"
+          else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus))
+    w, eff = Workload(steps=a.steps), replace(Efficiencies(), train_mfu=a.train_mfu)
+    out = {"setting": st.name, "runs": [run(st, w, eff, seed) for seed in a.seeds], "bound": bound(a.gpus, w, eff)}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

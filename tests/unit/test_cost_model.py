@@ -1,0 +1,76 @@
+"""The emulated cost model (context-dependent decode, quadratic prefill, KV capacity) and the simulator's
+closed-form advance, checked against step-by-step arithmetic; and the invariants under KV pressure."""
+
+from __future__ import annotations
+
+import pytest
+
+from dora_rl.config import DoraConfig
+from dora_rl.core.emulation import (
+    EmulatedParams,
+    decode_steps_within,
+    decode_time,
+    kv_admits,
+    kv_steps_left,
+    prefill_time,
+    step_time,
+)
+from dora_rl.streams.simulator import simulate
+
+P = EmulatedParams(base_step_s=0.02, capacity=8, alpha=0.5, kv_s_per_token=1e-6, time_scale=0.0)
+
+
+@pytest.mark.parametrize(("n", "ctx"), [(1, 0), (3, 100), (8, 5000), (12, 40_000)])
+def test_decode_time_is_the_sum_of_its_steps_and_steps_within_inverts_it(n: int, ctx: int) -> None:
+    for k in (0, 1, 2, 17, 500):
+        brute = sum(step_time(n, 8, P, ctx + n * j) for j in range(k))
+        assert decode_time(k, n, 8, ctx, P) == pytest.approx(brute, rel=1e-9)
+    for duration in (0.0, 0.019, 0.5, 3.7, 60.0):
+        k = decode_steps_within(duration, n, 8, ctx, P)
+        assert decode_time(k, n, 8, ctx, P) <= duration * (1 + 1e-12)
+        assert decode_time(k + 1, n, 8, ctx, P) > duration
+
+
+def test_step_time_grows_with_context_and_prefill_with_its_square() -> None:
+    assert step_time(4, 8, P, 10_000) - step_time(4, 8, P, 0) == pytest.approx(0.01)
+    q = EmulatedParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
+    assert prefill_time(20_000, q) == pytest.approx(2.0 + 2.0)  # a 20K-token partial pays twice its linear cost
+    assert prefill_time(100, q) == pytest.approx(0.01 + 5e-5)
+
+
+def test_kv_admission_and_overflow() -> None:
+    kv = EmulatedParams(kv_capacity_tokens=1000)
+    assert kv_admits(0, 0, 5000, kv), "an empty instance runs a request longer than its cache"
+    assert kv_admits(800, 3, 190, kv) and not kv_admits(800, 3, 197, kv)
+    assert kv_steps_left(900, 4, kv) == 25 and kv_steps_left(999, 4, kv) == 0
+    assert kv_steps_left(5000, 1, kv) is None, "one sequence alone never preempts itself"
+    assert kv_steps_left(10**9, 4, EmulatedParams()) is None
+
+
+def _cfg(mode: str, s: int, rbs: int, steps: int = 6) -> DoraConfig:
+    return DoraConfig.from_dict({"mode": mode, "max_staleness": s, "steps": steps, "train_batch_size": 32,
+                                 "group_size": 4, "rollout_batch_size": rbs, "num_instances": 4,
+                                 "instance_concurrency": 16, "max_new_tokens": 512, "engine": "emulated"})
+
+
+@pytest.mark.parametrize(("mode", "s", "rbs"), [("sync", 0, 32), ("dora", 2, 96), ("partial", 0, 64)])
+def test_kv_pressure_preempts_and_recomputes_but_loses_nothing(mode: str, s: int, rbs: int) -> None:
+    tight = EmulatedParams(time_scale=0.0, seed=3, kv_s_per_token=2e-7, kv_capacity_tokens=600,
+                           prefill_s_per_token_sq=1e-9)
+    r = simulate(_cfg(mode, s, rbs), tight, prompt_tokens=40)
+    assert r.steps == 6 and r.batch_sizes == [32] * 6 and r.refused == 0
+    assert r.lost.preemptions > 0 and r.lost.reprefill_s > 0
+    if mode != "partial":
+        assert r.mixed_version_trajectories == 0, "a preempted sequence resumes on its own version (C1)"
+    roomy = simulate(_cfg(mode, s, rbs), EmulatedParams(time_scale=0.0, seed=3, kv_s_per_token=2e-7,
+                                                       prefill_s_per_token_sq=1e-9), prompt_tokens=40)
+    assert roomy.lost.preemptions == 0
+    assert r.wall_s > roomy.wall_s, "recomputing preempted sequences costs time"
+
+
+def test_lost_time_adds_up_to_the_instances_wall_time() -> None:
+    r = simulate(_cfg("sync", 0, 32), EmulatedParams(time_scale=0.0, seed=1, kv_s_per_token=1e-7))
+    parts = r.lost.decode_s + r.lost.prefill_s + r.lost.reprefill_s + r.lost.switch_s + r.lost.idle_s
+    assert parts == pytest.approx(4 * r.wall_s, rel=1e-6)
+    assert 0 < r.lost.intra_bubble_s < r.lost.decode_s
+    assert r.lost.idle_s > 0.2 * 4 * r.wall_s, "sync leaves instances idle while the trainer runs"
