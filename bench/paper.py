@@ -233,13 +233,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)
+    ap.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/paper-dora-<ts>.json)")
     a = ap.parse_args(argv)
     s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "dora": 2}[a.mode]
     st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True) if a.mode == "sync"
           else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus))
     w, eff = Workload(steps=a.steps), replace(Efficiencies(), train_mfu=a.train_mfu)
-    out = {"setting": st.name, "runs": [run(st, w, eff, seed) for seed in a.seeds], "bound": bound(a.gpus, w, eff)}
-    print(json.dumps(out, indent=1))
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from provenance import provenance
+
+    out = {**provenance(), "engine": "simulated (hardware_costs: H800, Qwen2.5-32B)", "args": vars(a),
+           "setting": st.name, "runs": [run(st, w, eff, seed) for seed in a.seeds], "bound": bound(a.gpus, w, eff)}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
     return 0
 
 
