@@ -87,11 +87,13 @@ class Setting:
     rollout_gpus: int
     train_gpus: int
     colocated: bool = False
+    max_num_seqs: int = 256
+    """vLLM's ``max_num_seqs`` per instance (the scheduler's slots; KV capacity may hold fewer)."""
 
     @property
     def name(self) -> str:
         lay = "colocated" if self.colocated else f"{self.rollout_gpus}r+{self.train_gpus}t"
-        return f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay}"
+        return f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}"
 
 
 def settings(mode: str, gpus: int) -> list[Setting]:
@@ -106,6 +108,7 @@ def settings(mode: str, gpus: int) -> list[Setting]:
 
 def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str, Any]:
     """Simulate one setting and seed; the figures of the steady steps."""
+    w = replace(w, max_num_seqs=setting.max_num_seqs)
     p = w.params(eff, seed)
     n_inst = setting.rollout_gpus // TP
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
@@ -231,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rbs-factor", type=float, default=2.0)
     ap.add_argument("--staleness", type=int, default=None, help="default: sync/partial 0, one_step_off 1, dora 2")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)
     ap.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/paper-dora-<ts>.json)")
     a = ap.parse_args(argv)
     s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "dora": 2}[a.mode]
-    st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True) if a.mode == "sync"
-          else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus))
+    st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True, max_num_seqs=a.max_num_seqs) if a.mode == "sync"
+          else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus, max_num_seqs=a.max_num_seqs))
     w, eff = Workload(steps=a.steps), replace(Efficiencies(), train_mfu=a.train_mfu)
     import sys
     from pathlib import Path
