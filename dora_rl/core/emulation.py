@@ -204,7 +204,9 @@ def batch_finish_times(
     """Model time at which each sequence of a batch admitted together at t=0 finishes.
 
     ``new_tokens[i]`` tokens are decoded for sequence ``i`` (0 = finishes at admission, t=0); the
-    timeline is exactly the engine's: prefill, then steps of ``step_time(active)`` each.
+    timeline is exactly the engine's — prefill, then steps of ``step_time(active)`` each — when the
+    context terms are off (``kv_s_per_token = prefill_s_per_token_sq = 0``; with them, see
+    :func:`decode_time`).
     """
     cap = params.capacity if capacity is None else capacity
     out = [0.0] * len(new_tokens)

@@ -17,7 +17,16 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dora_rl.core.emulation import EmulatedParams, planned_response, prefill_time, step_time
+from dora_rl.core.emulation import (
+    EmulatedParams,
+    decode_steps_within,
+    decode_time,
+    kv_admits,
+    kv_steps_left,
+    planned_response,
+    prefill_time,
+    step_time,
+)
 
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
 
@@ -55,6 +64,10 @@ class _Seq:
             return "length"
         return "abort" if aborted else None
 
+    def context(self) -> int:
+        """Tokens this sequence holds in the KV cache: prompt + partial + generated here."""
+        return len(self.req.prompt_ids) + len(self.toks) + self.pos
+
     def steps_to_event(self, chunk: int) -> int:
         return min(self.reported + chunk, len(self.new_ids)) - self.pos
 
@@ -63,7 +76,9 @@ class EmulatedEngine:
     """Engine with emulated timing and lengths (implements :class:`~.engine.Engine`).
 
     ``capacity`` overrides ``params.capacity`` for this instance. Counters: ``model_time_s`` (model
-    seconds spent in prefill, decode and loads), ``tokens_generated``, ``steps``, ``loads``.
+    seconds spent in prefill, decode and loads), ``tokens_generated``, ``steps``, ``loads``,
+    ``preemptions`` (sequences set aside when the KV cache was full, ``params.kv_capacity_tokens``, and
+    recomputed — re-prefilled — when room came back).
     """
 
     label = "emulated"
@@ -75,7 +90,7 @@ class EmulatedEngine:
         if self.capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.model_time_s = 0.0
-        self.tokens_generated = self.steps = self.loads = 0
+        self.tokens_generated = self.steps = self.loads = self.preemptions = 0
         self._weights_lock = threading.Lock()  # held for a whole generate(): C1
         self._incoming: list[GenRequest] = []  # admitted into the running generate() (continuous batching)
         self._running = False
@@ -205,60 +220,73 @@ class EmulatedEngine:
         seqs = [_Seq(i, r, p) for i, r in enumerate(requests)]
         ids_ab, all_ab = self._aborted(epoch0)
         active: list[_Seq] = []
+        waiting: list[_Seq] = []  # admitted by the caller, waiting for KV room (or preempted: recomputed)
+
+        def admit(t: float) -> float:
+            """Start the waiting sequences that fit the KV cache, in order; prefill them (per request:
+            attention is per sequence). Returns the clock after the prefill."""
+            ctx, started = sum(s.context() for s in active), []
+            while waiting and kv_admits(ctx, len(active) + len(started), waiting[0].context(), p):
+                started.append(waiting.pop(0))
+                ctx += started[-1].context()
+            if started:
+                pre = sum(prefill_time(s.context(), p) for s in started)
+                self.model_time_s += pre
+                t = max(t, time.monotonic()) + pre * scale
+                self._wait_until(t)
+                active.extend(started)
+            return t
+
         for s in seqs:
             reason = s.initial_reason(s.req.request_id in ids_ab, p.eos_id)
             if reason is None:
-                active.append(s)
+                waiting.append(s)
             else:
                 finish(s, reason)
-        t = time.monotonic()
-        if active:
-            pre = prefill_time(sum(len(s.req.prompt_ids) + len(s.toks) for s in active), p)
-            self.model_time_s += pre
-            t += pre * scale
-            self._wait_until(t)
+        t = admit(time.monotonic())
         while True:
             with self._abort_lock:
                 incoming, self._incoming = self._incoming, []
-                if not active and not incoming:
+                if not active and not incoming and not waiting:
                     self._running = False  # from here on add() refuses: the caller starts a new call
                     break
             if incoming:
                 fresh = [_Seq(len(results) + j, r, p) for j, r in enumerate(incoming)]
                 results.extend([None] * len(fresh))
                 ids_ab, _ = self._aborted(epoch0)
-                admitted = []
                 for s in fresh:
                     reason = s.initial_reason(s.req.request_id in ids_ab, p.eos_id)
                     if reason is None:
-                        admitted.append(s)
+                        waiting.append(s)
                     else:
                         finish(s, reason)
-                if admitted:
-                    pre = prefill_time(sum(len(s.req.prompt_ids) + len(s.toks) for s in admitted), p)
-                    self.model_time_s += pre
-                    t = max(t, time.monotonic()) + pre * scale
-                    self._wait_until(t)
-                    active.extend(admitted)
-                if not active:
-                    continue
             ids_ab, all_ab = self._aborted(epoch0)
             if all_ab or ids_ab:
-                for s in [s for s in active if all_ab or s.req.request_id in ids_ab]:
-                    active.remove(s)
-                    finish(s, "abort")
-                if not active:
+                for group in (active, waiting):
+                    for s in [s for s in group if all_ab or s.req.request_id in ids_ab]:
+                        group.remove(s)
+                        finish(s, "abort")
+                if not active and not waiting:
                     break
-            dt_model = step_time(len(active), self.capacity, p)
-            dt = dt_model * scale
+            t = admit(t)
+            if not active:
+                continue
+            while len(active) > 1 and kv_steps_left(sum(s.context() for s in active), len(active), p) == 0:
+                waiting.insert(0, active.pop())  # KV full: the newest is preempted, recomputed when it fits
+                self.preemptions += 1
+            n, ctx = len(active), sum(s.context() for s in active)
             k = min(s.steps_to_event(chunk) for s in active)
-            if self._wait_until(t + k * dt) and dt > 0:
-                k = min(k, max(0, int((time.monotonic() - t) / dt)))
+            room = kv_steps_left(ctx, n, p)
+            k = k if room is None else max(1, min(k, room))
+            span = decode_time(k, n, self.capacity, ctx, p)  # model seconds of the k steps (context grows)
+            if self._wait_until(t + span * scale) and span > 0 and scale > 0:
+                k = min(k, decode_steps_within((time.monotonic() - t) / scale, n, self.capacity, ctx, p))
                 if k == 0:
                     continue
-            first_wall = t + dt + wall_minus_mono
-            t += k * dt
-            self.model_time_s += k * dt_model
+                span = decode_time(k, n, self.capacity, ctx, p)
+            first_wall = t + step_time(n, self.capacity, p, ctx) * scale + wall_minus_mono
+            t += span * scale
+            self.model_time_s += span
             self.steps += k
             self.tokens_generated += k * len(active)
             self._inject_failure(active)

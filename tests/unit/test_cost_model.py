@@ -74,3 +74,45 @@ def test_lost_time_adds_up_to_the_instances_wall_time() -> None:
     assert parts == pytest.approx(4 * r.wall_s, rel=1e-6)
     assert 0 < r.lost.intra_bubble_s < r.lost.decode_s
     assert r.lost.idle_s > 0.2 * 4 * r.wall_s, "sync leaves instances idle while the trainer runs"
+
+
+def test_the_emulated_engine_spends_the_same_model_time_as_the_cost_model() -> None:
+    """The engine (which sleeps these model seconds) and the simulator call the same functions: one
+    request alone, then two together, cost prefill + :func:`decode_time` with the context growing."""
+    from dora_rl.core.emulation import planned_length
+    from dora_rl.producers.rollout.emulated import EmulatedEngine
+    from dora_rl.producers.rollout.engine import GenRequest
+
+    p = EmulatedParams(base_step_s=1e-3, capacity=4, kv_s_per_token=1e-5, prefill_s_per_token=1e-4,
+                       prefill_s_per_token_sq=1e-7, time_scale=0.0, seed=4)
+    one = GenRequest(request_id="g1/0", prompt_ids=[5] * 30, max_new_tokens=200)
+    n1, _ = planned_length("g1/0", 200, p)
+    eng = EmulatedEngine(p)
+    eng.generate([one], chunk_tokens=7)
+    assert eng.model_time_s == pytest.approx(prefill_time(30, p) + decode_time(n1, 1, 4, 30, p), rel=1e-9)
+    two = [GenRequest(request_id="g7/0", prompt_ids=[5] * 30, max_new_tokens=200),
+           GenRequest(request_id="g7/1", prompt_ids=[5] * 50, partial_ids=[7] * 10, partial_logprobs=[-0.1] * 10,
+                      max_new_tokens=200)]
+    a, b = (planned_length(r.request_id, 200, p)[0] - len(r.partial_ids) for r in two)
+    first, last = sorted([(a, 30), (b, 60)])  # (new tokens, context at admission)
+    assert 0 < first[0] < last[0]
+    expected = (prefill_time(30, p) + prefill_time(60, p) + decode_time(first[0], 2, 4, 90, p)
+                + decode_time(last[0] - first[0], 1, 4, last[1] + first[0], p))
+    eng = EmulatedEngine(p)
+    eng.generate(two, chunk_tokens=5)
+    assert eng.model_time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_emulated_engine_waits_for_kv_room_preempts_and_still_returns_the_same_tokens() -> None:
+    from dora_rl.producers.rollout.emulated import EmulatedEngine
+    from dora_rl.producers.rollout.engine import GenRequest
+
+    base = dict(base_step_s=1e-3, capacity=8, kv_s_per_token=1e-6, prefill_s_per_token=1e-4, time_scale=0.0,
+                seed=2, median_fraction=0.3)
+    reqs = [GenRequest(request_id=f"g{i}/0", prompt_ids=[5] * 20, max_new_tokens=120) for i in range(8)]
+    roomy, tight = EmulatedEngine(EmulatedParams(**base)), EmulatedEngine(EmulatedParams(**base, kv_capacity_tokens=150))
+    free = {r.request_id: r.token_ids for r in roomy.generate(reqs)}
+    got = tight.generate(reqs)
+    assert {r.request_id: r.token_ids for r in got} == free, "preempted sequences resume exactly"
+    assert tight.preemptions > 0 and roomy.preemptions == 0
+    assert tight.model_time_s > roomy.model_time_s
