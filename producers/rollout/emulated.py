@@ -225,7 +225,7 @@ class EmulatedEngine:
         def admit(t: float) -> float:
             """Start the waiting sequences that fit the KV cache, in order; prefill them (per request:
             attention is per sequence). Returns the clock after the prefill."""
-            ctx, started = sum(s.context() for s in active), []
+            ctx, started = sum(s.context() for s in active), list[_Seq]()
             while waiting and kv_admits(ctx, len(active) + len(started), waiting[0].context(), p):
                 started.append(waiting.pop(0))
                 ctx += started[-1].context()

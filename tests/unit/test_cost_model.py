@@ -110,7 +110,8 @@ def test_the_emulated_engine_waits_for_kv_room_preempts_and_still_returns_the_sa
     base = dict(base_step_s=1e-3, capacity=8, kv_s_per_token=1e-6, prefill_s_per_token=1e-4, time_scale=0.0,
                 seed=2, median_fraction=0.3)
     reqs = [GenRequest(request_id=f"g{i}/0", prompt_ids=[5] * 20, max_new_tokens=120) for i in range(8)]
-    roomy, tight = EmulatedEngine(EmulatedParams(**base)), EmulatedEngine(EmulatedParams(**base, kv_capacity_tokens=150))
+    roomy = EmulatedEngine(EmulatedParams(**base))
+    tight = EmulatedEngine(EmulatedParams(**base, kv_capacity_tokens=150))
     free = {r.request_id: r.token_ids for r in roomy.generate(reqs)}
     got = tight.generate(reqs)
     assert {r.request_id: r.token_ids for r in got} == free, "preempted sequences resume exactly"
