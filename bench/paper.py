@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staleness", type=int, default=None, help="default: sync/partial 0, one_step_off 1, dora 2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--tbs", type=int, default=Workload().tbs, help="trajectories per batch (G = 16)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)
     ap.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/paper-dora-<ts>.json)")
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "dora": 2}[a.mode]
     st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True, max_num_seqs=a.max_num_seqs) if a.mode == "sync"
           else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus, max_num_seqs=a.max_num_seqs))
-    w, eff = Workload(steps=a.steps), replace(Efficiencies(), train_mfu=a.train_mfu)
+    w, eff = Workload(steps=a.steps, tbs=a.tbs), replace(Efficiencies(), train_mfu=a.train_mfu)
     import sys
     from pathlib import Path
 
