@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                            "params": params.__dict__, "modes": {}}
     for mode, s, rbs in runs:
         cfg = DoraConfig.from_dict({**base, "mode": mode, "max_staleness": s, "rollout_batch_size": rbs,
-                                    "num_partitions": max(16, args.instances)})
+                                    "num_partitions": max(16, args.instances),
+                                    "max_instances": max(16, args.instances)})
         t0 = time.perf_counter()
         r = simulate(cfg, params, train_s_per_token=args.train_s_per_token, train_s_fixed=1.0)
         name = mode if mode != "dora" else f"dora_S{s}"
