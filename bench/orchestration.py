@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import json
 import math
 import os
 import random
@@ -42,7 +41,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("events", "heartbeats", "tick", "dispatch", "cancels", "resumes", "plans", "consumed", "version")
 
 
@@ -204,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import provenance
+    from provenance import provenance, write_result
 
     out: dict[str, Any] = {**provenance(), "engine": "virtual world, real scheduling rules (no Kafka)",
                            "args": vars(args), "cpus": os.cpu_count(), "scales": {}}
@@ -237,10 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     out["growth"] = [{"instances": [a, b], "wall_x": sc[str(b)]["wall_ms_median"] / sc[str(a)]["wall_ms_median"],
                       "sched_x": sc[str(b)]["sched_ms_median"] / sc[str(a)]["sched_ms_median"]}
                      for a, b in itertools.pairwise(ns)]
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path = Path(args.out) if args.out else RESULTS / f"orchestration-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    path = write_result("orchestration", out, args.out)
 
     import matplotlib
 

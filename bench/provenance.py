@@ -18,3 +18,16 @@ def provenance() -> dict[str, Any]:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.CalledProcessError) as exc:
         return {"commit": None, "dirty": None, "error": str(exc)}
+
+
+def write_result(prefix: str, out: dict[str, Any], explicit: str | None = None) -> Path:
+    """Write a result as JSON to ``explicit``, else to ``bench/results/<prefix>-<UTC timestamp>.json``
+    (the plot, if any, goes next to it with ``.png``); returns the path."""
+    import json
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = Path(explicit) if explicit else REPO / "bench" / "results" / f"{prefix}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    return path

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("sync", 0, args.tbs), ("one_step_off", 1, 2 * args.tbs), ("partial", 0, 2 * args.tbs)]
     runs += [("dora", s, (s + 1) * args.tbs) for s in (1, 2, 3)]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import provenance
+    from provenance import provenance, write_result
 
     out: dict[str, Any] = {**provenance(), "engine": "simulated (emulated decode model)", "args": vars(args),
                            "params": params.__dict__, "modes": {}}
@@ -71,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = out["modes"]
     out["ratios"] = {f"{d}/{b}": modes[d]["throughput_tokens_per_s"] / modes[b]["throughput_tokens_per_s"]
                      for d in modes if d.startswith("dora") for b in ("sync", "one_step_off", "partial")}
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path = Path(args.out) if args.out else RESULTS / f"simulate-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    path = write_result("simulate", out, args.out)
 
     import matplotlib
 
