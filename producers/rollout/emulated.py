@@ -225,6 +225,8 @@ class EmulatedEngine:
         def admit(t: float) -> float:
             """Start the waiting sequences that fit the KV cache, in order; prefill them (per request:
             attention is per sequence). Returns the clock after the prefill."""
+            if not waiting:
+                return t
             ctx, started = sum(s.context() for s in active), list[_Seq]()
             while waiting and kv_admits(ctx, len(active) + len(started), waiting[0].context(), p):
                 started.append(waiting.pop(0))
@@ -271,10 +273,12 @@ class EmulatedEngine:
             t = admit(t)
             if not active:
                 continue
-            while len(active) > 1 and kv_steps_left(sum(s.context() for s in active), len(active), p) == 0:
+            ctx = sum(s.context() for s in active)
+            while len(active) > 1 and kv_steps_left(ctx, len(active), p) == 0:
                 waiting.insert(0, active.pop())  # KV full: the newest is preempted, recomputed when it fits
+                ctx -= waiting[0].context()
                 self.preemptions += 1
-            n, ctx = len(active), sum(s.context() for s in active)
+            n = len(active)
             k = min(s.steps_to_event(chunk) for s in active)
             room = kv_steps_left(ctx, n, p)
             k = k if room is None else max(1, min(k, room))
