@@ -89,6 +89,7 @@ class BatchAssembler:
         self._complete: dict[str, _Group] = {}
         self._seen: set[str] = set()
         self._seq = 0
+        self._stale_checked: tuple[int, int] | None = None  # (next_step, _seq) of the last check that found none
         self._plans: dict[int, tuple[str, ...]] = {}
         self._by_id: dict[str, HasVersion] = {}
         self.require_plans = require_plans
@@ -144,10 +145,14 @@ class BatchAssembler:
 
     def refuse_over_stale(self) -> list[HasVersion]:
         """Remove and return complete groups that are over-stale for ``next_step`` (C3 gate)."""
+        key = (self.next_step, self._seq)  # only a new step or a newly complete group can add one
+        if key == self._stale_checked:
+            return []
         refused: list[HasVersion] = []
         for gid in [g for g, grp in self._complete.items()
                     if self.next_step > self.bound.deadline(grp.min_version())]:
             refused.extend(self._complete.pop(gid).members.values())
+        self._stale_checked = None if refused else key
         return refused
 
     def drop_expired_unplanned(self) -> list[HasVersion]:

@@ -47,7 +47,7 @@ from typing import Any, Generic, TypeVar
 
 from dora_rl.config import DoraConfig
 
-from .dora_state import LOST, DoraState, TrajState, VersionSlots
+from .dora_state import LOST, DoraState, ResumeQueue, TrajState, VersionSlots
 from .membership import Membership
 from .planning import Planner
 from .scheduling import Cancel, Dispatch, Migration
@@ -70,7 +70,7 @@ class DoraScheduler(Generic[P]):
         self.state = DoraState(instance_version=[-1] * self.n)
         self.planner = Planner(self.tbs, self.G, config.max_staleness, self.steps)
         self._prompts: deque[tuple[str, P]] = deque()
-        self._resume: deque[tuple[Migration, int]] = deque()
+        self._resume = ResumeQueue()
         self.cancels: list[Cancel] = []
         self.repartitions = 0
         self.switches = 0
@@ -112,7 +112,7 @@ class DoraScheduler(Generic[P]):
             self.state.migrating.pop(tid, None)
             if t is not None and not t.done and t.instance >= 0:
                 cancels.setdefault(t.instance, []).append((tid, t.version))
-        self._resume = deque(m for m in self._resume if m[0].trajectory_id not in set(tids))
+        self._resume.discard(set(tids))
         self.cancels.extend(Cancel(i, tuple(t for t, _ in m), tuple(v for _, v in m))
                             for i, m in sorted(cancels.items()))
         self.state.dispatched -= len(tids)
@@ -330,30 +330,33 @@ class DoraScheduler(Generic[P]):
         return self.state.trajs[trajectory_id].version
 
     def resumes(self) -> list[tuple[Migration, int]]:
-        """Migrations that can be placed now: (migration, target instance holding its resume version)."""
+        """Migrations that can be placed now: (migration, target instance holding its resume version).
+
+        ``O(versions + placed)``: a FIFO whose head finds its version full waits whole
+        (:class:`~dora_rl.streams.dora_state.ResumeQueue`)."""
         out: list[tuple[Migration, int]] = []
-        keep: deque[tuple[Migration, int]] = deque()
         heaps: dict[int, VersionSlots] = {}  # per version, built when first needed
         iv = self.state.instance_version
-        while self._resume:
-            mig, _ = self._resume.popleft()
-            t = self.state.trajs.get(mig.trajectory_id)
-            if t is None or t.done:
-                continue
-            version = self.resume_version(mig.trajectory_id)
-            if version not in heaps:
-                heaps[version] = self._slots(version)
-            top = heaps[version].top()
-            if top is None or top[0] >= self.capacity:  # no free slot on an instance of its version
-                keep.append((mig, version))
-                continue
-            target, old = top[1], t.instance
-            t.version, t.instance = version, target
-            heaps[version].changed(target)
-            if 0 <= old < len(iv) and iv[old] in heaps:
-                heaps[iv[old]].changed(old)
-            out.append((Migration(mig.trajectory_id, version, mig.partial), target))
-        self._resume = keep
+        for key in self._resume.versions():
+            while (item := self._resume.head(key)) is not None:
+                mig = item[0]
+                t = self.state.trajs.get(mig.trajectory_id)
+                if t is None or t.done:
+                    self._resume.pop(key)
+                    continue
+                version = self.resume_version(mig.trajectory_id)
+                if version not in heaps:
+                    heaps[version] = self._slots(version)
+                top = heaps[version].top()
+                if top is None or top[0] >= self.capacity:  # no free slot on an instance of its version
+                    break
+                self._resume.pop(key)
+                target, old = top[1], t.instance
+                t.version, t.instance = version, target
+                heaps[version].changed(target)
+                if 0 <= old < len(iv) and iv[old] in heaps:
+                    heaps[iv[old]].changed(old)
+                out.append((Migration(mig.trajectory_id, version, mig.partial), target))
         return out
 
     def dispatch(self) -> list[Dispatch[P]]:

@@ -17,7 +17,8 @@ load counts, for placing work on one version's instances.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -309,3 +310,50 @@ class DoraState:
             object.__setattr__(self, "instance_version", _Versions(counts, list(value)))
             counts.recount_instances()
 
+
+
+class ResumeQueue:
+    """Trajectories waiting to resume (after a migration or a lost instance), one FIFO per trajectory
+    version, as ``(migration, version)`` pairs.
+
+    All the members of one FIFO resume under the same version (their own under DORA, the newest under
+    partial rollout), so when the head of a FIFO finds no free slot the rest of it waits too: placing
+    costs ``O(versions + placed)`` per call instead of a scan of the whole queue. Iteration yields every
+    pair, oldest version first, in arrival order within a version (what a snapshot holds).
+    """
+
+    def __init__(self, items: Any = ()) -> None:
+        self._fifos: dict[int, deque[tuple[Any, int]]] = {}
+        self._n = 0
+        for item in items:
+            self.append(item)
+
+    def append(self, item: tuple[Any, int]) -> None:
+        self._fifos.setdefault(int(item[0].version), deque()).append(item)
+        self._n += 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
+        for v in sorted(self._fifos):
+            yield from self._fifos[v]
+
+    def versions(self) -> list[int]:
+        """The versions with a non-empty FIFO, oldest first."""
+        return sorted(v for v, q in self._fifos.items() if q)
+
+    def head(self, version: int) -> tuple[Any, int] | None:
+        q = self._fifos.get(version)
+        return q[0] if q else None
+
+    def pop(self, version: int) -> tuple[Any, int]:
+        self._n -= 1
+        return self._fifos[version].popleft()
+
+    def discard(self, trajectory_ids: set[str]) -> None:
+        """Drop the entries of ``trajectory_ids`` (``O(queue)``: withdrawn groups only)."""
+        for v, q in self._fifos.items():
+            kept = deque(m for m in q if m[0].trajectory_id not in trajectory_ids)
+            self._n -= len(q) - len(kept)
+            self._fifos[v] = kept

@@ -66,18 +66,25 @@ def feasible_counts(counts: Mapping[int, int], next_step: int, train_batch_size:
     return count <= train_batch_size * max(0, steps - next_step)
 
 
-def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int], next_step: int,
-               train_batch_size: int, steps: int) -> list[GroupView] | None:
+def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int] | Mapping[int, int],
+               next_step: int, train_batch_size: int, steps: int) -> list[GroupView] | None:
     """Groups forming batch ``next_step``, or None to wait.
 
     ``in_flight_deadlines`` holds the deadline of every unplanned trajectory outside ``complete``
-    (still decoding, or finished while a sibling of its group still decodes).
+    (still decoding, or finished while a sibling of its group still decodes), as a list or as
+    ``{deadline: how many}`` (then the cost is ``O(groups log groups)``, whatever the trajectories).
 
     Waits while a trajectory due at ``next_step`` still decodes, while fewer than TBS complete
     trajectories exist, or while the best choice (earliest deadline first, then completion order)
     would leave the rest infeasible for the following steps.
     """
-    if any(d <= next_step for d in in_flight_deadlines):
+    counts: dict[int, int] = {}
+    if isinstance(in_flight_deadlines, Mapping):
+        counts.update((d, n) for d, n in in_flight_deadlines.items() if n > 0)
+    else:
+        for d in in_flight_deadlines:
+            counts[d] = counts.get(d, 0) + 1
+    if any(d <= next_step for d in counts):
         return None
     ordered = sorted(complete, key=lambda g: (g.deadline, g.completed_seq))
     chosen: list[GroupView] = []
@@ -92,8 +99,10 @@ def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int]
     if size != train_batch_size:
         return None
     chosen_ids = {g.group_id for g in chosen}
-    rest = [g.deadline for g in ordered if g.group_id not in chosen_ids for _ in g.trajectory_ids]
-    if not feasible([*rest, *in_flight_deadlines], next_step + 1, train_batch_size, steps):
+    for g in ordered:
+        if g.group_id not in chosen_ids:
+            counts[g.deadline] = counts.get(g.deadline, 0) + len(g.trajectory_ids)
+    if not feasible_counts(counts, next_step + 1, train_batch_size, steps):
         return None
     return chosen
 
@@ -124,6 +133,9 @@ class Planner:
         self._open: dict[int, int] = {}  # version -> unplanned trajectories whose group is not complete
         self._complete_size = 0  # trajectories in complete groups
         self._done_in: dict[str, int] = {}  # group -> members in ``done``
+        self._views: dict[str, GroupView] = {}  # complete group -> its view (built once per completion)
+        self._changes = 0  # bumped by every change that can turn a refused plan into a possible one
+        self._refused_at = -1  # ``_changes`` when plan_batch last refused
 
     def reindex(self) -> None:
         """Recount from the maps (after they were restored or replaced)."""
@@ -134,6 +146,8 @@ class Planner:
                 self._open[v] = self._open.get(v, 0) + 1
         self._complete_size = sum(len(self.members.get(g, ())) for g in self.completed_seq)
         self._done_in = {g: len(m & self.done) for g, m in self.members.items()}
+        self._views = {}
+        self._changes += 1
 
     @staticmethod
     def _bump(counts: dict[int, int], version: int, n: int) -> None:
@@ -176,6 +190,8 @@ class Planner:
         by_version[version] = by_version.get(version, 0) + 1  # counts are never negative: never 0 here
         if group_id in self.completed_seq:
             self._complete_size += 1
+            self._views.pop(group_id, None)
+            self._changes += 1
         else:
             self._open[version] = self._open.get(version, 0) + 1
 
@@ -192,7 +208,9 @@ class Planner:
                         self._bump(self._open, self.version_of[m], -1)
                     self._complete_size += len(self.members[gid])
                 self.completed_seq[gid] = self._seq
+                self._views.pop(gid, None)
                 self._seq += 1
+                self._changes += 1
 
     def withdraw(self, group_id: str) -> list[str]:
         """Remove an unplanned group (it was refused); returns its trajectory ids ([] when the group is
@@ -210,6 +228,8 @@ class Planner:
             self.group_of.pop(t, None)
             self.done.discard(t)
         self.completed_seq.pop(group_id, None)
+        self._views.pop(group_id, None)
+        self._changes += 1
         return tids
 
     def _must_wait(self) -> bool:
@@ -218,18 +238,32 @@ class Planner:
         return self._complete_size < self.tbs or any(
             self.bound.deadline(v) <= self.next_step for v in self._open)
 
+    def _view(self, gid: str, seq: int) -> GroupView:
+        """The view of complete group ``gid`` (cached: its members and deadline are fixed once complete)."""
+        view = self._views.get(gid)
+        if view is None or view.completed_seq != seq:
+            view = GroupView(gid, min(self.deadline(t) for t in self.members[gid]),
+                             tuple(sorted(self.members[gid])), seq)
+            self._views[gid] = view
+        return view
+
     def plans(self) -> list[tuple[int, list[str]]]:
         """Every batch that can be planned now, in step order."""
         out: list[tuple[int, list[str]]] = []
         while self.next_step < self.steps and not self._must_wait():
-            complete = [GroupView(gid, min(self.deadline(t) for t in self.members[gid]),
-                                  tuple(sorted(self.members[gid])), seq)
-                        for gid, seq in self.completed_seq.items()]
-            # everything not in a complete group (decoding, or done while its group is not)
-            in_flight = [self.deadline(t) for t in self.version_of if self.group_of[t] not in self.completed_seq]
+            if self._refused_at == self._changes:
+                break  # nothing that could change the answer happened since the last refusal
+            complete = [self._view(gid, seq) for gid, seq in self.completed_seq.items()]
+            # everything not in a complete group (decoding, or done while its group is not), by deadline
+            in_flight: dict[int, int] = {}
+            for version, n in self._open.items():
+                d = self.bound.deadline(version)
+                in_flight[d] = in_flight.get(d, 0) + n
             chosen = plan_batch(complete, in_flight, self.next_step, self.tbs, self.steps)
             if chosen is None:
+                self._refused_at = self._changes
                 break
+            self._changes += 1
             tids: list[str] = []
             for g in chosen:
                 tids.extend(g.trajectory_ids)
@@ -243,6 +277,7 @@ class Planner:
                     self.done.discard(t)
                 del self.members[g.group_id]
                 self._done_in.pop(g.group_id, None)
+                self._views.pop(g.group_id, None)
             out.append((self.next_step, tids))
             self.next_step += 1
         return out

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .dora_policy import DoraScheduler
-from .dora_state import TrajState
+from .dora_state import ResumeQueue, TrajState
 from .planning import Planner
 from .scheduling import Cancel, Migration, Scheduler, SchedulingRules
 
@@ -79,8 +79,8 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         st.migrating = {t: int(v) for t, v in d["migrating"].items()}
         load_planner(s.planner, d["planner"])
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
-        s._resume = deque((Migration(t, int(v), None if partial is None else load(partial)), int(rv))
-                          for t, v, partial, rv in d["resume"])
+        s._resume = ResumeQueue((Migration(t, int(v), None if partial is None else load(partial)), int(rv))
+                                for t, v, partial, rv in d["resume"])
         s.members.load(d.get("members", {}))
         s.redispatched = int(d.get("redispatched", 0))
         s.cancels = [Cancel(int(c[0]), tuple(c[1]), tuple(int(v) for v in (c[2] if len(c) > 2 else ())))
