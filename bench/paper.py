@@ -42,6 +42,8 @@ from dora_rl.core.hardware_costs import (
 )
 from dora_rl.streams.simulator import SimResult, simulate
 
+MODES = ("sync", "one_step_off", "partial", "dora")
+
 PAPER = {64: {"rollout_phase": 8.2, "step_time": 1.56, "throughput": 1.65},
          128: {"throughput": 2.12, "vs_one_step_off": 1.47, "vs_partial": 1.11}}
 """The paper's ratios of DORA against each baseline (DESIGN.md section 1)."""
@@ -65,8 +67,10 @@ class Workload:
     """p99/p50 of the body = exp(2.326 sigma) = 12.9."""
     cap_fraction: float = 0.02
     """Responses that run to the cap (the 'spike at the cap'); with the body this gives a mean of ~2.4K."""
-    steps: int = 8
-    warmup: int = 2
+    steps: int = 12
+    warmup: int = 4
+    """Steps left out of the figures: over-provisioning makes version 0 hold ``RBS / TBS`` batches of work
+    at once (a start-up transient that a long run amortises), so the steady state starts a few steps in."""
     train_s_fixed: float = 5.0
     """Per step fixed trainer cost (optimizer step, checkpoint of the version to serve)."""
     max_num_seqs: int = 256
@@ -97,13 +101,15 @@ class Setting:
 
 
 def settings(mode: str, gpus: int) -> list[Setting]:
-    """The sweep of ``mode`` on ``gpus`` GPUs (see the module docstring)."""
+    """The sweep of ``mode`` on ``gpus`` GPUs: sync colocated; the asynchronous modes over the split of
+    rollout and trainer GPUs, their usual over-provisioning and vLLM's ``max_num_seqs`` (128 / 256)."""
+    seqs = (128, 256)
     if mode == "sync":
-        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True)]
+        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=n) for n in seqs]
     splits = [gpus // 2, 5 * gpus // 8, 3 * gpus // 4]
     factors = {"one_step_off": [2.0], "partial": [1.5, 2.0], "dora": [2.0, 3.0]}[mode]
     s = {"one_step_off": 1, "partial": 0, "dora": 2}[mode]
-    return [Setting(mode, s, f, r, gpus - r) for r in splits for f in factors]
+    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n) for r in splits for f in factors for n in seqs]
 
 
 def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str, Any]:
@@ -118,8 +124,11 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
         "instance_concurrency": w.max_num_seqs, "max_new_tokens": w.cap, "engine": "emulated",
         "num_partitions": max(16, n_inst)})
     spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
-    r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
-                 switch_s=switch_seconds(H800, QWEN25_32B, TP, colocated=setting.colocated))
+    try:
+        r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
+                     switch_s=switch_seconds(H800, QWEN25_32B, TP, colocated=setting.colocated))
+    except RuntimeError as exc:
+        raise RuntimeError(f"{setting.name}, seed {seed}, {w.steps} steps: {exc}") from exc
     return figures(r, setting, w, n_inst)
 
 
@@ -175,50 +184,90 @@ def mean_spread(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
     return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
 
 
-def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: Any = print) -> dict[str, Any]:
-    """Every setting of every mode over ``seeds``; each mode's best by mean throughput; ratios and bound."""
-    out: dict[str, Any] = {"gpus": gpus, "sweep": {}, "best": {}}
-    for mode in ("sync", "one_step_off", "partial", "dora"):
-        best_name, best_thr = "", -1.0
-        for st in settings(mode, gpus):
-            runs = [run(st, w, eff, s) for s in seeds]
-            agg = {k: mean_spread(runs, k) for k in ("step_time_s", "throughput", "rollout_phase_s", "train_s")}
-            agg["runs"] = runs
-            out["sweep"][st.name] = agg
-            log(f"  {gpus} GPUs {st.name:42s} step {agg['step_time_s']['mean']:7.1f}s  thr "
-                f"{agg['throughput']['mean']:8.0f} tok/s  rollout phase {agg['rollout_phase_s']['mean']:6.1f}s")
-            if agg["throughput"]["mean"] > best_thr:
-                best_name, best_thr = st.name, agg["throughput"]["mean"]
-        out["best"][mode] = best_name
+def _run_job(job: tuple[Setting, Workload, Efficiencies, int]) -> dict[str, Any]:
+    return run(*job)
+
+
+def run_many(jobs: list[tuple[Setting, Workload, Efficiencies, int]], workers: int = 1) -> list[dict[str, Any]]:
+    """``run`` over ``jobs`` (independent simulations), in ``workers`` processes, results in order."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [_run_job(j) for j in jobs]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_run_job, jobs))
+
+
+def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: Any = print,
+             sweep_seeds: list[int] | None = None, workers: int = 1,
+             best: dict[str, Setting] | None = None) -> dict[str, Any]:
+    """Each mode's sweep (every setting on ``sweep_seeds``, default the first seed), its best setting by
+    mean throughput re-run on every seed; ratios (mean and per-seed spread), the bound, GPU-time shares.
+    ``best`` skips the sweep (the settings chosen earlier, e.g. while fitting)."""
+    sweep_seeds = sweep_seeds or seeds[:1]
+    out: dict[str, Any] = {"gpus": gpus, "sweep": {}, "best": {}, "seeds": seeds, "sweep_seeds": sweep_seeds}
+    chosen: dict[str, Setting] = dict(best or {})
+    if best is None:
+        grid = [st for mode in MODES for st in settings(mode, gpus)]
+        runs = run_many([(st, w, eff, s) for st in grid for s in sweep_seeds], workers)
+        for i, st in enumerate(grid):
+            rs = runs[i * len(sweep_seeds):(i + 1) * len(sweep_seeds)]
+            out["sweep"][st.name] = {"throughput": mean_spread(rs, "throughput"),
+                                     "step_time_s": mean_spread(rs, "step_time_s"), "seeds": sweep_seeds}
+            log(f"  {gpus} GPUs sweep {st.name:44s} step {out['sweep'][st.name]['step_time_s']['mean']:7.1f}s  "
+                f"thr {out['sweep'][st.name]['throughput']['mean']:8.0f} tok/s")
+            if st.mode not in chosen or (out["sweep"][st.name]["throughput"]["mean"]
+                                         > out["sweep"][chosen[st.mode].name]["throughput"]["mean"]):
+                chosen[st.mode] = st
+    runs = run_many([(chosen[m], w, eff, s) for m in MODES for s in seeds], workers)
+    best_runs = {m: runs[i * len(seeds):(i + 1) * len(seeds)] for i, m in enumerate(MODES)}
+    agg: dict[str, Any] = {}
+    for m, rs in best_runs.items():
+        out["best"][m] = chosen[m].name
+        agg[m] = {k: mean_spread(rs, k) for k in ("step_time_s", "throughput", "rollout_phase_s", "train_s")}
+        agg[m]["runs"] = rs
+        log(f"  {gpus} GPUs best {chosen[m].name:44s} step {agg[m]['step_time_s']['mean']:7.1f}s  thr "
+            f"{agg[m]['throughput']['mean']:8.0f} tok/s  rollout phase {agg[m]['rollout_phase_s']['mean']:6.1f}s")
+    out["modes"] = agg
     b = bound(gpus, w, eff)
     out["bound"] = b
-    best = {m: out["sweep"][n] for m, n in out["best"].items()}
-    out["fraction_of_bound"] = {m: a["throughput"]["mean"] / b["tokens_per_s"] for m, a in best.items()}
-    d = best["dora"]
-    out["ratios"] = {
-        "rollout_phase": best["sync"]["rollout_phase_s"]["mean"] / d["rollout_phase_s"]["mean"],
-        "step_time": best["sync"]["step_time_s"]["mean"] / d["step_time_s"]["mean"],
-        "throughput": d["throughput"]["mean"] / best["sync"]["throughput"]["mean"],
-        "vs_one_step_off": d["throughput"]["mean"] / best["one_step_off"]["throughput"]["mean"],
-        "vs_partial": d["throughput"]["mean"] / best["partial"]["throughput"]["mean"]}
+    out["fraction_of_bound"] = {m: a["throughput"]["mean"] / b["tokens_per_s"] for m, a in agg.items()}
+
+    def ratios(i: int | None) -> dict[str, float]:
+        def f(m: str, k: str) -> float:
+            return agg[m][k]["mean"] if i is None else best_runs[m][i][k]
+        return {"rollout_phase": f("sync", "rollout_phase_s") / f("dora", "rollout_phase_s"),
+                "step_time": f("sync", "step_time_s") / f("dora", "step_time_s"),
+                "throughput": f("dora", "throughput") / f("sync", "throughput"),
+                "vs_one_step_off": f("dora", "throughput") / f("one_step_off", "throughput"),
+                "vs_partial": f("dora", "throughput") / f("partial", "throughput")}
+
+    out["ratios"] = ratios(None)
+    per_seed = [ratios(i) for i in range(len(seeds))]
+    out["ratio_spread"] = {k: {"min": min(r[k] for r in per_seed), "max": max(r[k] for r in per_seed)}
+                           for k in out["ratios"]}
     out["gpu_time_share"] = {m: {k: statistics.fmean(r["gpu_time_share"][k] for r in a["runs"])
-                                 for k in a["runs"][0]["gpu_time_share"]} for m, a in best.items()}
+                                 for k in a["runs"][0]["gpu_time_share"]} for m, a in agg.items()}
+    out["chosen"] = chosen
     return out
 
 
-def fit_train_mfu(w: Workload, seeds: list[int], grid: list[float], log: Any = print) -> tuple[float, list[Any]]:
-    """``train_mfu`` on the 64-GPU rows: the grid value whose three ratios are closest to the paper's
-    (sum of squared log errors); every candidate is recorded."""
+def fit_train_mfu(w: Workload, seeds: list[int], grid: list[float], best: dict[str, Setting], log: Any = print,
+                  workers: int = 1) -> tuple[float, list[Any]]:
+    """``train_mfu`` on the 64-GPU rows: the grid value whose three ratios (each mode at ``best``) are
+    closest to the paper's (sum of squared log errors); every candidate is recorded."""
     import math
 
     tried = []
     for mfu in grid:
-        res = evaluate(64, w, replace(Efficiencies(), train_mfu=mfu), seeds, log=lambda *_: None)
+        res = evaluate(64, w, replace(Efficiencies(), train_mfu=mfu), seeds, log=lambda *_: None, workers=workers,
+                       best=best)
         err = sum(math.log(res["ratios"][k] / v) ** 2 for k, v in PAPER[64].items())
         tried.append({"train_mfu": mfu, "ratios": res["ratios"], "sq_log_error": err})
-        log(f"  fit: train_mfu {mfu:.2f} -> {res['ratios']} (error {err:.3f})")
-    best = min(tried, key=lambda x: x["sq_log_error"])
-    return float(best["train_mfu"]), tried
+        log(f"  fit: train_mfu {mfu:.2f} -> " + ", ".join(f"{k} {v:.2f}" for k, v in res["ratios"].items())
+            + f" (error {err:.3f})")
+    chosen = min(tried, key=lambda x: x["sq_log_error"])
+    return float(chosen["train_mfu"]), tried
 
 
 def main(argv: list[str] | None = None) -> int:

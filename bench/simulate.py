@@ -9,6 +9,13 @@ token cap with a long tail, training about as long as a typical rollout phase. T
 
 Usage: ``python bench/simulate.py [--instances 64] [--steps 40] [--tbs 512]``; writes
 ``bench/results/simulate-<timestamp>.json`` and ``.png``.
+
+``python bench/simulate.py --paper [--fit]`` runs the paper's setup instead (``bench/paper.py``: Qwen2.5-32B,
+DAPO-Math-like lengths, H800, K = 3): every mode's sweep on one seed, its best setting on every seed
+(default 3), at 64 and 128 GPUs; with ``--fit``, ``train_mfu`` (the one fitted parameter) is chosen first on
+the 64-GPU ratios, then frozen, so the 128-GPU ratios are predictions. Each of the paper's ratios is
+reported next to ours with its per-seed spread and whether it is within 15%; writes
+``bench/results/paper-sim-<timestamp>.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=4096)
     ap.add_argument("--train-s-per-token", type=float, default=1e-4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--paper", action="store_true", help="the paper's setup (see the module docstring)")
+    ap.add_argument("--fit", action="store_true", help="--paper: fit train_mfu on the 64-GPU ratios first")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--paper: seeds of the best settings")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[64, 128], help="--paper: cluster sizes")
+    ap.add_argument("--workers", type=int, default=2, help="--paper: simulations run in parallel")
+    ap.add_argument("--train-mfu", type=float, default=None, help="--paper without --fit: the trainer's MFU")
     args = ap.parse_args(argv)
+    if args.paper:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from paper_report import drive
+
+        return drive(args)
 
     from dora_rl.config import DoraConfig
     from dora_rl.core.emulation import EmulatedParams

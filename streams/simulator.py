@@ -206,10 +206,11 @@ class _Instance:
 
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
              train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
-             max_events: int = 2_000_000) -> SimResult:
+             max_events: int | None = None) -> SimResult:
     """Run ``config`` on the virtual clock; returns figures and the invariant counters.
 
-    ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it)."""
+    ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it).
+    ``max_events`` (default ``100`` per trajectory of the run, at least 2M) stops a run that livelocks."""
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
@@ -347,15 +348,17 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     n_events = 0
     while events and len(step_end) < config.steps:
         n_events += 1
-        if n_events > max_events:
-            raise RuntimeError("simulation did not finish (deadlock or max_events too small)")
+        if n_events > (max_events or max(2_000_000, 100 * config.steps * config.train_batch_size)):
+            describe = getattr(sched, "describe", lambda: "")
+            raise RuntimeError(f"simulation did not finish (livelock, or max_events too small) at step "
+                               f"{len(step_end)}, t={now:.0f}: {describe()[:400]}")
         now, _, kind, data = heapq.heappop(events)
         if kind == "tick":
             idx, epoch = data
             inst = insts[idx]
             if epoch != inst.epoch:
                 continue
-            inst.advance(now + 1e-12)
+            inst.advance(now + 1e-9 * max(1.0, now))  # past rounding: ulp(now) grows with now
             for tid in inst.finished():
                 tr = inst.remove(tid)
                 assert tr is not None

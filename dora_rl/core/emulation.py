@@ -93,6 +93,10 @@ class EmulatedParams:
     """Quadratic prefill term (causal attention): ``prefill_s_per_token_sq * T**2 / 2`` for ``T`` tokens."""
     kv_capacity_tokens: int = 0
     """Per-instance KV cache capacity in tokens of context (0 = unbounded)."""
+    kv_watermark: float = 0.01
+    """Share of the KV capacity a new request must leave free when admitted (vLLM's block-manager
+    ``watermark`` default, 0.01): without it, admission fills the cache to one step of headroom and every
+    step preempts and re-admits (thrash)."""
     seed: int = 0
     """Seed of every length and token draw."""
     vocab: int = 32000
@@ -116,6 +120,7 @@ class EmulatedParams:
             "time_scale >= 0": self.time_scale >= 0, "load_s >= 0": self.load_s >= 0,
             "kv_s_per_token >= 0": self.kv_s_per_token >= 0, "kv_capacity_tokens >= 0": self.kv_capacity_tokens >= 0,
             "prefill_s_per_token_sq >= 0": self.prefill_s_per_token_sq >= 0,
+            "0 <= kv_watermark < 1": 0 <= self.kv_watermark < 1,
             "vocab >= 5": self.vocab >= 5, "eos_id >= 0": self.eos_id >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
@@ -183,10 +188,12 @@ def prefill_time(tokens: int, params: EmulatedParams) -> float:
 
 def kv_admits(context: int, active: int, request_tokens: int, params: EmulatedParams) -> bool:
     """Whether a request of ``request_tokens`` (prompt + partial) fits next to the ``active`` sequences
-    holding ``context`` tokens, with room for one more step of all of them (so a sequence just
-    preempted is not admitted straight back). An instance with nothing active always admits one."""
+    holding ``context`` tokens, leaving free the larger of one more step of all of them and the watermark
+    (``kv_watermark * kv_capacity_tokens``), so a sequence just preempted is not admitted straight back.
+    An instance with nothing active always admits one."""
     cap = params.kv_capacity_tokens
-    return cap <= 0 or active <= 0 or context + request_tokens + active + 1 <= cap
+    headroom = max(active + 1, int(params.kv_watermark * cap))
+    return cap <= 0 or active <= 0 or context + request_tokens + headroom <= cap
 
 
 def kv_steps_left(context: int, active: int, params: EmulatedParams) -> int | None:
