@@ -349,9 +349,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     while events and len(step_end) < config.steps:
         n_events += 1
         if n_events > (max_events or max(2_000_000, 100 * config.steps * config.train_batch_size)):
-            describe = getattr(sched, "describe", lambda: "")
             raise RuntimeError(f"simulation did not finish (livelock, or max_events too small) at step "
-                               f"{len(step_end)}, t={now:.0f}: {describe()[:400]}")
+                               f"{len(step_end)}, t={now:.0f}: {sched.describe()[:400]}")
         now, _, kind, data = heapq.heappop(events)
         if kind == "tick":
             idx, epoch = data
