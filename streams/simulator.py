@@ -249,6 +249,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
 
     def orchestrate(now: float) -> None:
         nonlocal migrations
+        sched.tick(now)  # as the orchestrator's punctuate: timed and pressure re-partitions, lost instances
         for d in sched.dispatch():
             inst = insts[d.instance]
             length, _ = planned_length(d.trajectory_id, config.max_new_tokens, p)
