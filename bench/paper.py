@@ -127,7 +127,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
         "mode": setting.mode, "max_staleness": setting.staleness, "steps": w.steps, "train_batch_size": w.tbs,
         "group_size": w.group, "rollout_batch_size": rbs, "num_instances": n_inst,
         "instance_concurrency": w.max_num_seqs, "max_new_tokens": w.cap, "engine": "emulated",
-        "num_partitions": max(16, n_inst)})
+        "num_partitions": max(16, n_inst), "max_instances": max(16, n_inst)})
     spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
