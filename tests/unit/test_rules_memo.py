@@ -34,22 +34,17 @@ def test_plan_batch_with_counts_equals_with_a_list() -> None:
 
 def test_refusal_memo_does_not_hide_a_plan_that_became_possible() -> None:
     p = Planner(train_batch_size=2, group_size=2, max_staleness=1, steps=3)
-    for g, v in (("a", 0), ("b", 0)):
+    for g, v in (("x", 0), ("y", 0), ("c", 1)):  # x, y due by step 1; c by step 2 (feasible: 4 <= 4, 6 <= 6)
         for i in range(2):
             p.add(f"{g}/{i}", g, v)
-    p.complete("a/0")
-    p.complete("a/1")  # group a complete; b (due at step 1) still decodes
-    assert p.plans() == [(0, ["a/0", "a/1"])]
-    for i in range(2):
-        p.add(f"c/{i}", "c", 1)
     p.complete("c/0")
-    p.complete("c/1")  # c complete, but b is due at step 1 and still decodes: refused
-    assert p.plans() == []
+    p.complete("c/1")  # only c is complete: batch 0 from c would leave x and y (4, due at 1) for one step
+    assert p.plans() == []  # refused by the EDF check (not by a trajectory due now)
     assert p.plans() == []  # memoised: nothing changed
-    p.complete("b/0")
-    assert p.plans() == []  # b not complete yet
-    p.complete("b/1")  # now b is complete: the plan must come, despite the memo
-    assert p.plans() == [(1, ["b/0", "b/1"]), (2, ["c/0", "c/1"])]
+    p.complete("x/0")
+    assert p.plans() == []
+    p.complete("x/1")  # x complete: batch 0 = x leaves y (due 1) and c (due 2) feasible
+    assert p.plans() == [(0, ["x/0", "x/1"])]
 
 
 def test_resume_queue_fifo_per_version_and_count() -> None:
