@@ -29,7 +29,9 @@ def scrape(address: str) -> dict[str, list[Any]]:
     """Family name -> its samples (``prometheus_client``'s parser: the format is Prometheus's own)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+    # 30 s: on 2 saturated CI cores a scrape once waited over 5 s for a trainer mid-step (the HTTP thread
+    # shares the role's GIL); Prometheus's own default scrape timeout is 10 s
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
