@@ -323,37 +323,40 @@ class ResumeQueue:
     """
 
     def __init__(self, items: Any = ()) -> None:
-        self._fifos: dict[int, deque[tuple[Any, int]]] = {}
-        self._n = 0
+        self._fifos: dict[int, deque[tuple[Any, int]]] = {}  # only non-empty FIFOs
         for item in items:
             self.append(item)
 
     def append(self, item: tuple[Any, int]) -> None:
         self._fifos.setdefault(int(item[0].version), deque()).append(item)
-        self._n += 1
 
     def __len__(self) -> int:
-        return self._n
+        return sum(len(q) for q in self._fifos.values())
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
         for v in sorted(self._fifos):
             yield from self._fifos[v]
 
     def versions(self) -> list[int]:
-        """The versions with a non-empty FIFO, oldest first."""
-        return sorted(v for v, q in self._fifos.items() if q)
+        """The versions with a waiting trajectory, oldest first."""
+        return sorted(self._fifos)
 
     def head(self, version: int) -> tuple[Any, int] | None:
         q = self._fifos.get(version)
         return q[0] if q else None
 
     def pop(self, version: int) -> tuple[Any, int]:
-        self._n -= 1
-        return self._fifos[version].popleft()
+        q = self._fifos[version]
+        item = q.popleft()
+        if not q:
+            del self._fifos[version]
+        return item
 
     def discard(self, trajectory_ids: set[str]) -> None:
         """Drop the entries of ``trajectory_ids`` (``O(queue)``: withdrawn groups only)."""
-        for v, q in self._fifos.items():
-            kept = deque(m for m in q if m[0].trajectory_id not in trajectory_ids)
-            self._n -= len(q) - len(kept)
-            self._fifos[v] = kept
+        for v in list(self._fifos):
+            kept = deque(m for m in self._fifos[v] if m[0].trajectory_id not in trajectory_ids)
+            if kept:
+                self._fifos[v] = kept
+            else:
+                del self._fifos[v]

@@ -19,6 +19,7 @@ process makes both decisions, no race between dispatching and batching can break
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,19 +38,7 @@ class GroupView:
 
 def feasible(deadlines: Iterable[int], next_step: int, train_batch_size: int, steps: int) -> bool:
     """The EDF condition for ``deadlines`` (unplanned trajectories) from step ``next_step``."""
-    ds = sorted(deadlines)
-    last = steps - 1
-    count = 0
-    i = 0
-    for d in sorted(set(ds)):
-        while i < len(ds) and ds[i] <= d:
-            count += 1
-            i += 1
-        if d < next_step:
-            return False  # already over-stale
-        if count > train_batch_size * (min(d, last) - next_step + 1):
-            return False
-    return len(ds) <= train_batch_size * max(0, steps - next_step)
+    return feasible_counts(Counter(deadlines), next_step, train_batch_size, steps)
 
 
 def feasible_counts(counts: Mapping[int, int], next_step: int, train_batch_size: int, steps: int) -> bool:
@@ -78,13 +67,9 @@ def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int]
     trajectories exist, or while the best choice (earliest deadline first, then completion order)
     would leave the rest infeasible for the following steps.
     """
-    counts: dict[int, int] = {}
-    if isinstance(in_flight_deadlines, Mapping):
-        counts.update((d, n) for d, n in in_flight_deadlines.items() if n > 0)
-    else:
-        for d in in_flight_deadlines:
-            counts[d] = counts.get(d, 0) + 1
-    if any(d <= next_step for d in counts):
+    counts = Counter(in_flight_deadlines if isinstance(in_flight_deadlines, Mapping)
+                     else Counter(in_flight_deadlines))
+    if any(d <= next_step for d, n in counts.items() if n > 0):
         return None
     ordered = sorted(complete, key=lambda g: (g.deadline, g.completed_seq))
     chosen: list[GroupView] = []
@@ -101,7 +86,7 @@ def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int]
     chosen_ids = {g.group_id for g in chosen}
     for g in ordered:
         if g.group_id not in chosen_ids:
-            counts[g.deadline] = counts.get(g.deadline, 0) + len(g.trajectory_ids)
+            counts[g.deadline] += len(g.trajectory_ids)
     if not feasible_counts(counts, next_step + 1, train_batch_size, steps):
         return None
     return chosen
@@ -207,8 +192,7 @@ class Planner:
                     for m in self.members[gid]:
                         self._bump(self._open, self.version_of[m], -1)
                     self._complete_size += len(self.members[gid])
-                self.completed_seq[gid] = self._seq
-                self._views.pop(gid, None)
+                self.completed_seq[gid] = self._seq  # a new seq: ``_view`` rebuilds the cached view
                 self._seq += 1
                 self._changes += 1
 

@@ -347,9 +347,10 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
 
     orchestrate(now)
     n_events = 0
+    limit = max_events or max(2_000_000, 100 * config.steps * config.train_batch_size)
     while events and len(step_end) < config.steps:
         n_events += 1
-        if n_events > (max_events or max(2_000_000, 100 * config.steps * config.train_batch_size)):
+        if n_events > limit:
             raise RuntimeError(f"simulation did not finish (livelock, or max_events too small) at step "
                                f"{len(step_end)}, t={now:.0f}: {sched.describe()[:400]}")
         now, _, kind, data = heapq.heappop(events)
