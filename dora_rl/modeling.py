@@ -98,6 +98,17 @@ def build_tiny_model(out_dir: Path, size: str = "1m", seed: int = 0) -> Path:
     return out_dir
 
 
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local HF folder, as :func:`load_policy` sets it up (left padding, a pad
+    token), without loading the model's weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_policy(
     path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -107,12 +118,8 @@ def load_policy(
     The model is returned in ``eval()`` mode; callers that train call ``model.train()`` themselves
     (dropout is 0 in the models used here, so both modes compute the same function).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(path)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model = model.to(device)  # type: ignore[arg-type]  # HF's wrapper types `to` narrowly
     model.eval()

@@ -102,14 +102,13 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
 
         run_orchestrator(bootstrap, info.run_id, config, start, stop=stop.is_set)
     elif role == "dataset":
-        from dora_rl.modeling import load_policy
+        from dora_rl.modeling import load_tokenizer
         from dora_rl.policy_source import resolve_model
         from dora_rl.producers.dataset import produce_prompts
 
-        _, tok = load_policy(resolve_model(config.model, config.seed))
+        tok = load_tokenizer(resolve_model(config.model, config.seed))  # the prompts' token ids: no weights
         prompts_start = {p: o for (t, p), o in start.items() if t == topics.PROMPTS}
-        n = produce_prompts(bootstrap, info.run_id, config.task, prompts_needed(config), config.seed, tok,
-                            prompts_start)
+        n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), tok, prompts_start)
         log.info("wrote %d prompts", n)
     else:
         raise ValueError(f"unknown role {role!r}; roles: {ROLES}")

@@ -1,8 +1,9 @@
 """The dataset producer: writes a run's prompts to ``dora.prompts``.
 
-Writes ``dora.prompts`` (key ``v-/<group_id>``, one partition: the orchestrator dispatches in dataset
-order); read by the orchestrator. Prompt ``i`` of a run has ``prompt_id = group_id = "<run_id>/p<i>"``; the stream is
-deterministic in ``(task, seed)``, so a replayed or resumed run sees the same prompts.
+Writes ``dora.prompts`` (key ``v-/<group_id>``, one partition: the orchestrator dispatches in dataset order);
+read by the orchestrator. Prompt ``i`` of a run has ``prompt_id = group_id = "<run_id>/p<i>"`` and is the
+``i``-th of :func:`dora_rl.prompt_source.training_prompts` (the synthetic task or the dataset's training
+rows): deterministic in the config, so a replayed or resumed run sees the same prompts.
 
 Idempotent: the prompts written by one process commit in one Kafka transaction
 (``transactional.id = dora.<run>.dataset``, so a restarted producer fences its predecessor), hence the
@@ -14,11 +15,11 @@ transaction and its index left out.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import numpy as np
 
+from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import RecordProducer, RecordTooLarge, now_ms, read_all
 from dora_rl.infra.keys import make_key
@@ -26,19 +27,17 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import DeadLetter, Prompt
 
 
-def generate_prompts(run_id: str, task_name: str, count: int, seed: int, tokenizer: object) -> Iterator[Prompt]:
-    """``count`` prompts of ``task_name``, deterministic in ``seed``."""
-    from dora_rl.core.tasks import get_task
+def generate_prompts(run_id: str, config: DoraConfig, count: int, tokenizer: object) -> Iterator[Prompt]:
+    """The run's first ``count`` training prompts (:func:`dora_rl.prompt_source.training_prompts`:
+    deterministic in the config), tokenized with the policy's tokenizer (its chat template if any)."""
     from dora_rl.modeling import encode_prompt
+    from dora_rl.prompt_source import training_prompts
 
-    task = get_task(task_name)
-    rng = random.Random(seed)
-    for i in range(count):
-        sample = task.sample(rng)
+    for i, row in enumerate(training_prompts(config, count)):
         gid = f"{run_id}/p{i}"
-        ids = encode_prompt(tokenizer, sample.prompt)  # type: ignore[arg-type]
-        yield Prompt(run_id=run_id, prompt_id=gid, group_id=gid, task=task_name, prompt_text=sample.prompt,
-                     prompt_ids=np.asarray(ids, dtype=np.int32), reference=sample.reference, created_ms=now_ms())
+        ids = encode_prompt(tokenizer, row.prompt)  # type: ignore[arg-type]
+        yield Prompt(run_id=run_id, prompt_id=gid, group_id=gid, task=row.task, prompt_text=row.prompt,
+                     prompt_ids=np.asarray(ids, dtype=np.int32), reference=row.reference, created_ms=now_ms())
 
 
 def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
@@ -54,7 +53,7 @@ def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
     return k
 
 
-def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, seed: int, tokenizer: object,
+def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int, tokenizer: object,
                     start: dict[int, int] | None = None) -> int:
     """Write the prompts not written yet, in one transaction; returns how many were written."""
     producer = RecordProducer(bootstrap, f"dataset-{run_id}", **{"transactional.id": f"dora.{run_id}.dataset"})
@@ -64,9 +63,9 @@ def produce_prompts(bootstrap: str, run_id: str, task_name: str, count: int, see
         return 0
     producer.raw.begin_transaction()
     n = 0
-    for i, prompt in enumerate(generate_prompts(run_id, task_name, count, seed, tokenizer)):
+    for i, prompt in enumerate(generate_prompts(run_id, config, count, tokenizer)):
         if i < have:
-            continue  # drawn anyway: the stream stays deterministic in (task, seed)
+            continue  # written by a predecessor
         try:
             producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id), partition=0)  # dataset order
         except RecordTooLarge as exc:  # refused with the reason, in the same transaction; never dispatched

@@ -1,7 +1,8 @@
 """``summary.png``: the curves of a run, written beside its ``summary.json`` when the run ends.
 
 Three panels over the train steps, from the trainer's step metrics on ``dora.metrics`` (read from the
-run's start offsets): reward (``reward_mean``), throughput (trained tokens per wall second of each step,
+run's start offsets): reward (``reward_mean``, and the summary's held-out pass@1 per version when the
+run evaluated), throughput (trained tokens per wall second of each step,
 :func:`~dora_rl.consumers.monitor_view.tokens_per_wall_s`, and the run's overall
 ``throughput_tokens_per_s`` from the summary as a dashed line) and
 staleness (``staleness_max`` per step, with the run's ``max_staleness`` as a dashed line). A run with no
@@ -59,6 +60,12 @@ def draw(series: Mapping[int, Mapping[str, float]], summary: Mapping[str, Any], 
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     xs, ys = col("reward_mean")
     axes[0].plot(xs, ys, marker=".", color="tab:blue")
+    evals = summary.get("eval") or []
+    if evals:  # held-out greedy pass@1 of version v (trained on steps 0..v-1), drawn at x = v
+        axes[0].plot([e["version"] for e in evals], [e["pass_at_1"] for e in evals], marker="s", color="tab:green",
+                     label="held-out pass@1 (greedy)")
+        axes[0].plot([], [], marker=".", color="tab:blue", label="train reward")
+        axes[0].legend(loc="lower right")
     axes[0].set_ylabel("reward")
     xs, ys = col("tokens_per_s")
     axes[1].plot(xs, ys, marker=".", color="tab:orange", label="per step")

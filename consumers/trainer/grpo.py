@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 
@@ -70,6 +70,13 @@ def pack_sequences(
     return ids, mask, pos, p_len
 
 
+def checkpointing(model: torch.nn.Module) -> bool:
+    """Whether ``model`` recomputes activations in this forward (HF gradient checkpointing, training
+    mode): HF then ignores a passed KV cache, so the shared-prefix path must not be used (measured on the
+    tiny model: log-probs off by 0.75 with it, 5e-7 without)."""
+    return isinstance(model, PreTrainedModel) and model.training and bool(model.is_gradient_checkpointing)
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     prompt_ids: Sequence[Sequence[int]],
@@ -91,6 +98,8 @@ def sequence_logprobs(
     dev = next(model.parameters()).device
     uniq: dict[tuple[int, ...], int] = {}
     row_u = [uniq.setdefault(tuple(p), len(uniq)) for p in prompt_ids]
+    if share_prompts and checkpointing(model):
+        share_prompts = False  # HF drops the KV cache under gradient checkpointing in training mode
     if share_prompts and len(uniq) < len(row_u) and len(prompt_ids) == len(response_ids):
         cache = DynamicCache(config=getattr(model, "config", None))
         if all(type(layer) is DynamicLayer for layer in cache.layers) and cache.layers:

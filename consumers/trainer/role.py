@@ -8,9 +8,17 @@ Lifecycle: build/load the initial policy, optional supervised warm-up, publish v
 train step ``k = 0, 1, ...``: take the batch with ``train_step == k`` (a batch of an already-trained
 step is skipped), update (:func:`.step.train_step`, the one update of a batch, shared with
 ``dora-rl replay retrain``), checkpoint version ``k + 1``, announce it. A batch is refused to
-``dora.dlq`` if it violates C3 or has the wrong size. Every ``checkpoint_every`` versions (version 0
-and the last one included) a replay checkpoint (policy, optimizer, schedule) is kept under
-``<run dir>/checkpoints`` (:func:`.checkpoint.save_replayable`).
+``dora.dlq`` if it violates C3 or has the wrong size. With ``eval_every``, version 0, every
+``eval_every``-th and the last version are evaluated on the held-out prompts (:mod:`.evaluate`) after
+their announcement (the time is reported as ``eval_s``, apart from ``train_s``). Every
+``checkpoint_every`` versions (version 0 and the last one included) a replay checkpoint (policy,
+optimizer, schedule) is kept under ``<run dir>/checkpoints`` (:func:`.checkpoint.save_replayable`).
+
+Data parallelism (``config.trainer_ranks = N > 1``, :mod:`.ranks`): this process is rank 0. It
+keeps the plain (unsharded, CPU) state everything above works with — restore, warm-up, checkpoints,
+publication, evaluation — and, once that state is final for version ``latest``, spawns ranks
+``1 .. N-1`` and syncs them to it; each batch is then applied by every rank (FSDP2) and gathered back
+into the plain state before its checkpoint. With one rank (the default) no rank machinery runs.
 
 Crash safety (docs/decisions/0015):
 
@@ -49,7 +57,9 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
 from . import checkpoint
-from .step import build_state, train_step
+from .evaluate import evaluate
+from .ranks import TrainerRanks
+from .step import build_state, precision, train_step
 
 log = logging.getLogger(__name__)
 COMPONENT = "trainer"
@@ -91,6 +101,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     """Train until ``config.steps`` versions exist (or ``stop()``), announcing each version."""
     from dora_rl.core.tasks import get_task
     from dora_rl.modeling import state_dict_for_transfer
+    from dora_rl.prompt_source import heldout_prompts
 
     from .sft import sft_warmup
 
@@ -101,7 +112,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     producer.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
-    state = build_state(config)
+    state = build_state(config, device="cpu" if config.trainer_ranks > 1 else None)  # N ranks: rank 0's plain copy
     model, tok, optimizer, lr_schedule = state.model, state.tokenizer, state.optimizer, state.lr_schedule
     publisher = Publisher(config.weight_transport, run_id, run_dir, token or secrets.token_hex(16),
                           keep=config.max_staleness + 2)
@@ -127,6 +138,24 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         producer.send(topics.VERSIONS, ann, make_key(version, "policy"))
         checkpoint.prune(ckpt_root, version - S - 1)
 
+    heldout = heldout_prompts(config) if config.eval_every > 0 else []
+
+    def evaluate_if_due(version: int) -> None:
+        """Greedy pass@1 of ``version`` on the held-out prompts when one is due (version 0, every
+        ``eval_every`` versions, the last one); its metrics commit in their own transaction."""
+        if not heldout or not (version % config.eval_every == 0 or version == config.steps):
+            return
+        with precision(config):
+            res = evaluate(model, tok, heldout, config.reward_fn, config.reward_timeout_s, config.max_new_tokens,
+                           version)
+        with transaction():
+            metrics.emit("eval_pass_at_1", res.pass_at_1, version=version, correct=res.correct, n=str(res.n),
+                         refused=str(res.refused))
+            metrics.emit("eval_reward_mean", res.reward_mean, version=version)
+            metrics.emit("eval_s", res.eval_s, version=version)
+        log.info("eval v%d: pass@1 %.3f (%d prompts, reward %.3f, %d refused, %.1f tokens, %.1fs)", version,
+                 res.pass_at_1, res.n, res.reward_mean, res.refused, res.completion_tokens_mean, res.eval_s)
+
     def keep_for_replay(version: int) -> None:
         """The replay checkpoint of ``version`` when one is due (after its announcement committed)."""
         if version % config.checkpoint_every == 0 or version == config.steps:
@@ -140,9 +169,9 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         log.info("restored at version %d from %s", step, announced[step].checkpoint_uri)
     else:
         warmup: dict[str, float] = {}
-        if config.sft_steps > 0:
+        if config.warmup_steps > 0:
             t0 = time.perf_counter()
-            losses = sft_warmup(model, tok, get_task(config.task), steps=config.sft_steps, batch_size=64,
+            losses = sft_warmup(model, tok, get_task(config.task), steps=config.warmup_steps, batch_size=64,
                                 lr=config.sft_lr, max_answer_chars=16, seed=config.seed)
             warmup = {"sft_loss": losses[-1], "sft_s": time.perf_counter() - t0}
             log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
@@ -153,15 +182,19 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
             announce(0, {})
             metrics.emit("version_published", 0, version=0)
         keep_for_replay(0)
+        evaluate_if_due(0)
 
     # undecodable input is refused while polling, outside any transaction: its own idempotent producer
     undecodable = DeadLetters(RecordProducer(bootstrap, f"{COMPONENT}-dlq-{run_id}"), COMPONENT, run_id)
     consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.BATCHES: TrainBatch}, undecodable, start_offsets,
                            **{"group.instance.id": f"dora.{run_id}.trainer", "session.timeout.ms": "10000"})
-    wait_started = time.perf_counter()
+    ranks: TrainerRanks | None = None
     idle_s = 0.0
     busy_s = 0.0
     try:
+        if config.trainer_ranks > 1:
+            ranks = TrainerRanks.start(config, state)
+        wait_started = time.perf_counter()
         while step < config.steps and not stop():
             refused = undecodable.count
             envelopes = consumer.poll(0.5, max_records=1)
@@ -187,7 +220,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 waited = time.perf_counter() - wait_started
                 idle_s += waited
                 t0 = time.perf_counter()
-                stats = train_step(state, batch, config)
+                stats = train_step(state, batch, config) if ranks is None else ranks.train_step(batch)
                 crash_point("trainer.after_update")
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
@@ -208,11 +241,18 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                          waited)
                 step += 1
                 keep_for_replay(step)
+                evaluate_if_due(step)
                 wait_started = time.perf_counter()
         with transaction():
             metrics.emit("done", step)
+        if ranks is not None:
+            ranks.close()
         if step >= config.steps:
             record_finished(bootstrap, run_id, step)
+    except BaseException:
+        if ranks is not None:
+            ranks.abort()
+        raise
     finally:
         consumer.close()
         publisher.close()

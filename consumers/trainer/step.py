@@ -4,13 +4,19 @@ The trainer role (:mod:`.role`) and ``dora-rl replay retrain`` (:mod:`dora_rl.co
 both build their state with :func:`build_state` and apply a batch with :func:`train_step`, so a
 re-trained step runs exactly the code of the original one (docs/decisions/0012, 0020).
 
-- :func:`build_state`: the initial policy of ``config.model`` (built from ``config.seed``), its
-  tokenizer, ``AdamW(lr = config.lr, weight_decay = 0)`` over the model's parameters in their order,
-  and the LR schedule ``warmup_cosine_schedule(optimizer, config.lr_warmup_steps)``.
+- :func:`build_state`: the initial policy of ``config.model`` (built from ``config.seed``) in fp32 on
+  ``config.device`` (or the given device; gradient checkpointing when configured), sharded with FSDP2
+  when asked (a data-parallel rank, :mod:`.ranks`: the model is sharded before the optimizer is
+  built, so the optimizer holds the shards), its tokenizer, ``AdamW(lr = config.lr, weight_decay = 0)``
+  over the model's parameters in their order, and the LR schedule
+  ``warmup_cosine_schedule(optimizer, config.lr_warmup_steps)``.
 - :func:`train_step`: the batch's trajectories, in batch order, as :class:`~.update.Sample` (reward
   ``None`` is 0); :func:`~.update.policy_update` with every knob from ``config``, the seed
   ``config.seed + batch.train_step`` (the only randomness of an update: the minibatch order) and
-  decoupled PPO iff ``config.decoupled_ppo`` and some trajectory is stale (staleness > 0).
+  decoupled PPO iff ``config.decoupled_ppo`` and some trajectory is stale (staleness > 0), under
+  :func:`precision` (bf16 autocast over fp32 master weights when ``config.dtype == "bf16"``). With
+  ``dp`` (a rank of :mod:`.ranks`, sharded state) every rank applies the same batch and trains its share
+  of it (:mod:`.distributed`): the update one rank makes, up to float rounding.
 
 Exactness: the update is a deterministic function of (weights, optimizer state, schedule position,
 batch, config) on CPU with one intra-op thread — the trainer runs with ``torch.set_num_threads(1)``
@@ -31,6 +37,7 @@ import torch
 from dora_rl.config import DoraConfig
 from dora_rl.schemas.records import TrainBatch
 
+from .distributed import DataParallel, shard_model
 from .grpo import warmup_cosine_schedule
 from .update import Sample, policy_update
 
@@ -46,12 +53,17 @@ class TrainerState:
     pad_id: int
 
 
-def build_state(config: DoraConfig) -> TrainerState:
-    """The trainer's initial state for ``config`` (see the module docstring)."""
+def build_state(config: DoraConfig, device: str | None = None, shard: bool = False) -> TrainerState:
+    """The trainer's initial state for ``config`` on ``device`` (default ``config.device``), its model
+    sharded with FSDP2 when ``shard`` (needs the default process group; see the module docstring)."""
     from dora_rl.modeling import load_policy
     from dora_rl.policy_source import resolve_model
 
-    model, tok = load_policy(resolve_model(config.model, config.seed))
+    model, tok = load_policy(resolve_model(config.model, config.seed), device=device or config.device)  # fp32
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if shard:  # before the optimizer: FSDP2 replaces the parameters by their shards
+        shard_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     lr_schedule = warmup_cosine_schedule(optimizer, config.lr_warmup_steps)
     return TrainerState(model, tok, optimizer, lr_schedule, int(tok.pad_token_id or 0))
@@ -63,18 +75,38 @@ def samples_of(batch: TrainBatch) -> list[Sample]:
                    float(t.reward or 0.0), t.group_id) for t in batch.trajectories]
 
 
-def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig) -> dict[str, float]:
+def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig,
+               dp: DataParallel | None = None) -> dict[str, float]:
     """Apply ``batch`` to ``state`` (one policy update); returns the update's statistics plus
-    ``staleness_max`` and ``staleness_mean`` of the batch."""
+    ``staleness_max`` and ``staleness_mean`` of the batch. With ``dp`` collective: every rank calls it
+    with the same batch (its ``state`` sharded by :func:`build_state`); the statistics are global."""
     stale = batch.staleness()
-    stats = policy_update(state.model, state.optimizer, samples_of(batch), loss=config.loss,
-                          clip_eps=config.clip_eps, tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
-                          minibatches=config.minibatches, temperature=config.temperature, pad_id=state.pad_id,
-                          seed=config.seed + int(batch.train_step), lr_scheduler=state.lr_schedule,
-                          decoupled=config.decoupled_ppo and max(stale, default=0) > 0)
+    with precision(config):
+        stats = policy_update(state.model, state.optimizer, samples_of(batch), loss=config.loss,
+                              clip_eps=config.clip_eps, tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
+                              minibatches=config.minibatches, temperature=config.temperature, pad_id=state.pad_id,
+                              seed=config.seed + int(batch.train_step), lr_scheduler=state.lr_schedule,
+                              decoupled=config.decoupled_ppo and max(stale, default=0) > 0, dp=dp)
     stats["staleness_max"] = float(max(stale, default=0))
     stats["staleness_mean"] = float(sum(stale) / len(stale)) if stale else 0.0
     return stats
+
+
+def autocast_dtype(config: DoraConfig) -> torch.dtype | None:
+    """The autocast dtype of the trainer's forward/backward (None: plain fp32)."""
+    return torch.bfloat16 if config.dtype == "bf16" else None
+
+
+@contextmanager
+def precision(config: DoraConfig) -> Iterator[None]:
+    """bf16 autocast on ``config.device`` when ``config.dtype == "bf16"`` (the weights, gradients and
+    AdamW state stay fp32: the master copy); a no-op for fp32."""
+    dtype = autocast_dtype(config)
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=torch.device(config.device).type, dtype=dtype):
+        yield
 
 
 @contextmanager

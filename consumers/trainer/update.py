@@ -24,6 +24,17 @@ trajectory one version old starts an update with ``ratio = pi_v / pi_(v-1)`` alr
 range on many tokens (measured: clip fraction 0.2–0.3, approx KL 0.1–0.24 at staleness 1), whose
 gradients the clip then zeroes. With ``proximal == behaviour`` (fresh data) both are the same update.
 
+Data parallelism (``dp=DataParallel(rank, world)``, model sharded by :func:`~.distributed.shard_model`):
+every rank gets the *whole* batch (same order) and computes the same minibatch split (same seed); in
+each minibatch, group ``j`` (in the minibatch's order) is trained by rank ``j % world`` only, while the
+loss stays normalised by the *whole* minibatch's token count, so the SUM of the ranks' gradients that
+FSDP reduces is the single-rank gradient: N ranks make the update one rank makes on the union
+(:mod:`~.distributed` has the formula). Every rank runs the same number of forward/backward passes per
+optimizer step (FSDP's collectives must match): a rank with fewer micro-batches than another runs
+zero-loss dummy passes (one row of one token; they add exactly 0 to every gradient). Under ``dp`` a
+micro-batch is one model call (``share_prompts=False``): the shared-prompt path makes one or two calls
+depending on the rows, which would unbalance the collectives between ranks.
+
 Returns python-float statistics of the step (loss, clip fraction, approx KL, reward mean, tokens).
 """
 
@@ -35,7 +46,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
+from .distributed import DataParallel, all_reduce_max, all_reduce_sum
 from .grpo import group_advantages, micro_batches, ppo_clip_loss, sequence_logprobs
 
 
@@ -89,6 +102,26 @@ def prompt_order(samples: Sequence[Sample], index: Sequence[int]) -> list[int]:
                                         len(samples[i].response_ids)))
 
 
+def rank_rows(samples: Sequence[Sample], chunk: Sequence[int], dp: DataParallel) -> list[list[int]]:
+    """``chunk`` (a minibatch of whole groups, from :func:`group_minibatches`) split by the rank that trains
+    it: the ``j``-th group of the chunk, in chunk order, goes to rank ``dp.owner(j)``. Every index lands in
+    exactly one list; ``out[r]`` keeps chunk order. Deterministic, so every rank computes every rank's share."""
+    slot: dict[str, int] = {}
+    out: list[list[int]] = [[] for _ in range(dp.world)]
+    for i in chunk:
+        out[dp.owner(slot.setdefault(samples[i].group_id, len(slot)))].append(i)
+    return out
+
+
+def _dummy_pass(model: torch.nn.Module, sample: Sample, temperature: float, pad_id: int, backward: bool) -> None:
+    """One forward (and backward if ``backward``) of one row of one token whose loss is multiplied by 0:
+    it runs the FSDP collectives of a micro-batch and adds exactly 0 to every gradient."""
+    logp, _ = sequence_logprobs(model, [sample.prompt_ids[:1]], [sample.response_ids[:1]], temperature=temperature,
+                                pad_id=pad_id, share_prompts=False)
+    if backward:
+        (logp.sum() * 0.0).backward()
+
+
 def _pad_rows(index: Sequence[int], rows: dict[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """``rows[index[b]]`` right-padded with zeros into a tensor shaped like ``like`` ``[B, R]``."""
     out = torch.zeros_like(like)
@@ -99,13 +132,15 @@ def _pad_rows(index: Sequence[int], rows: dict[int, torch.Tensor], like: torch.T
 
 @torch.no_grad()
 def proximal_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                      order: list[int], temperature: float, pad_id: int, micro_tokens: int) -> dict[int, torch.Tensor]:
+                      order: list[int], temperature: float, pad_id: int, micro_tokens: int,
+                      share_prompts: bool = True) -> dict[int, torch.Tensor]:
     """Log-probs of ``responses[i]`` (``i`` in ``order``) under the model's current weights, no gradient:
-    ``{i: logp [len(responses[i])]}`` — the proximal policy of decoupled PPO."""
+    ``{i: logp [len(responses[i])]}`` — the proximal policy of decoupled PPO. One model call per
+    micro-batch of ``micro_batches(order, ...)`` when ``share_prompts`` is False."""
     out: dict[int, torch.Tensor] = {}
     for micro in micro_batches(order, prompts, responses, micro_tokens):
         logp, _ = sequence_logprobs(model, [prompts[i] for i in micro], [responses[i] for i in micro],
-                                    temperature=temperature, pad_id=pad_id)
+                                    temperature=temperature, pad_id=pad_id, share_prompts=share_prompts)
         for row, i in enumerate(micro):
             out[i] = logp[row, : len(responses[i])].clone()
     return out
@@ -115,13 +150,21 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
                   *, loss: str = "grpo", clip_eps: float = 0.2, tis_cap: float | None = 5.0,
                   ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
                   seed: int = 0, micro_tokens: int = 1024, grad_clip: float = 1.0, decoupled: bool = False,
-                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> dict[str, float]:
+                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                  dp: DataParallel | None = None) -> dict[str, float]:
     """Apply one training step on ``samples`` (see the module docstring); returns statistics.
+
+    With ``dp`` (``model`` sharded by :func:`~.distributed.shard_model`, ``optimizer`` over its sharded
+    parameters), every rank passes the same ``samples`` and arguments and trains its share of each
+    minibatch; collective, so every rank must call it.
 
     Stats: ``loss`` and ``grad_norm`` are means over optimizer steps; ``clip_frac``, ``approx_kl``,
     ``ratio_mean`` are token-weighted means over everything trained; ``ratio_max`` the maximum;
     ``optimizer_steps``; ``tis_weight_mean`` (decoupled only); ``reward_mean``/``reward_std``/
     ``trained_tokens``/``response_len_mean`` of the batch; ``update_s`` the wall time.
+    Under ``dp`` every figure but ``update_s`` (this rank's wall time) is the global one, the same on
+    every rank: the per-step losses and the token-weighted sums are summed over the ranks (all-reduce),
+    ``ratio_max`` is their maximum, and the gradient norm is already global (FSDP's DTensor gradients).
     The model is left in ``eval()`` mode.
     """
     t0 = time.perf_counter()
@@ -140,22 +183,42 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     live_set = set(live_all)
     behaviour = {i: torch.from_numpy(np.asarray(samples[i].behaviour_logprobs, dtype=np.float32)).to(dev)
                  for i in live_all}  # converted once, reused by every epoch
-    proximal = (proximal_logprobs(model, prompts, responses, prompt_order(samples, live_all), temperature, pad_id,
-                                  micro_tokens) if decoupled else {})
+    # The whole split up front: the same draws of ``gen`` in the same order as split epoch by epoch.
+    schedule = [group_minibatches(samples, minibatches, gen) for _ in range(ppo_epochs)]
+    proximal: dict[int, torch.Tensor] = {}
+    if decoupled and dp is None:
+        proximal = proximal_logprobs(model, prompts, responses, prompt_order(samples, live_all), temperature, pad_id,
+                                     micro_tokens)
+    elif decoupled and dp is not None:  # each rank: the rows it will train in any epoch, padded with dummies
+        mine = [sorted({i for epoch in schedule for chunk in epoch for i in rank_rows(samples, chunk, dp)[r]
+                        if i in live_set}) for r in range(dp.world)]
+        counts = [len(micro_batches(prompt_order(samples, rows), prompts, responses, micro_tokens)) for rows in mine]
+        proximal = proximal_logprobs(model, prompts, responses, prompt_order(samples, mine[dp.rank]), temperature,
+                                     pad_id, micro_tokens, share_prompts=False)
+        with torch.no_grad():
+            for _ in range(max(counts) - counts[dp.rank]):
+                _dummy_pass(model, samples[0], temperature, pad_id, backward=False)
     seen_tokens, ratio_max = 0.0, 1.0
     losses: list[float] = []
     norms: list[float] = []
     model.train()
-    for _ in range(ppo_epochs):
-        for chunk in group_minibatches(samples, minibatches, gen):
-            mb_tokens = float(sum(len(responses[i]) for i in chunk))
-            live = [i for i in chunk if i in live_set]
+    for epoch in schedule:
+        for chunk in epoch:
+            mb_tokens = float(sum(len(responses[i]) for i in chunk))  # the WHOLE minibatch's, on every rank
+            if dp is None:
+                micros = micro_batches(prompt_order(samples, [i for i in chunk if i in live_set]), prompts,
+                                       responses, micro_tokens)
+                passes = len(micros)
+            else:
+                per_rank = [micro_batches(prompt_order(samples, [i for i in rows if i in live_set]), prompts,
+                                          responses, micro_tokens) for rows in rank_rows(samples, chunk, dp)]
+                micros, passes = per_rank[dp.rank], max(len(m) for m in per_rank)
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for micro in micro_batches(prompt_order(samples, live), prompts, responses, micro_tokens):
+            for micro in micros:
                 new_logp, mask = sequence_logprobs(model, [prompts[i] for i in micro],
                                                    [responses[i] for i in micro], temperature=temperature,
-                                                   pad_id=pad_id)
+                                                   pad_id=pad_id, share_prompts=dp is None)
                 beh = _pad_rows(micro, behaviour, new_logp)
                 prox = _pad_rows(micro, proximal, new_logp) if decoupled else None
                 loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)].to(dev), mask, clip_eps,
@@ -166,13 +229,23 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
                     weighted[k] += st.get(k, 0.0) * st["n_tokens"]
                 seen_tokens += st["n_tokens"]
                 ratio_max = max(ratio_max, st["ratio_max"])
+            for _ in range(passes - len(micros)):  # match the other ranks' collectives
+                _dummy_pass(model, samples[0], temperature, pad_id, backward=True)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
             optimizer.step()
             if lr_scheduler is not None:
                 lr_scheduler.step()
             losses.append(total)
             norms.append(float(norm))
     model.eval()
+    if dp is not None:
+        keys = list(weighted)
+        summed = all_reduce_sum([weighted[k] for k in keys] + [seen_tokens, *losses], dp)
+        weighted = dict(zip(keys, summed[: len(keys)], strict=True))
+        seen_tokens, losses = summed[len(keys)], summed[len(keys) + 1:]
+        ratio_max = all_reduce_max(ratio_max, dp)
     out = {k: v / seen_tokens if seen_tokens else 0.0 for k, v in weighted.items()}
     out.update(loss=float(np.mean(losses)), grad_norm=float(np.mean(norms)), ratio_max=ratio_max,
                optimizer_steps=float(len(losses)))

