@@ -334,7 +334,10 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
         "restarts": sup.restarts(), "failed": failed, "data": dataset_identity(config),
         "tensorboard": str(rdir / "tensorboard"), **eval_summary(progress),
     }
-    summary["train_wall_s_excl_eval"] = round(rl_wall - summary.get("eval_s_total", 0.0), 3)
+    # the evaluations inside the RL window (version 0 .. steps-1: each ran before the next step; the last
+    # version's ran after the last step, outside rl_wall_s)
+    in_window = sum(s for v, s in progress.eval_s.items() if v < steps_done)
+    summary["train_wall_s_excl_eval"] = round(rl_wall - in_window, 3)
     finish_run(bootstrap, info, json.dumps(summary), failed=failed is not None)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,9 @@ class RetrainReport:
     start_checksum: str
     start_original: str | None
     steps: tuple[StepResult, ...] = field(default_factory=tuple)
+    trainer_ranks: int = 1
+    """The run's data-parallel trainer ranks: a replay re-trains with one rank, bit for bit only
+    for a one-rank run (N ranks sum gradients in another order: ~1e-7 apart, decision 0028)."""
 
     @property
     def result(self) -> StepResult:
@@ -81,6 +84,9 @@ class RetrainReport:
                  f"the announced version {self.from_version}"]
         for s in self.steps:
             same = "MATCH" if s.match else ("no original" if s.original_checksum is None else "DIFFERENT")
+            if same == "DIFFERENT" and self.trainer_ranks > 1:
+                same += (f" (the run trained with {self.trainer_ranks} ranks, this replay with 1: equal up to the "
+                         "order of the gradient sum, not bit for bit)")
             lines.append(f"  step {s.step}{' (edited)' if s.edited else ''}: loss {s.loss:.6g} (original "
                          f"{_fmt(s.original_loss)}), grad norm {s.grad_norm:.6g} (original "
                          f"{_fmt(s.original_grad_norm)}), weights {s.checksum} vs {s.original_checksum}: {same}")
@@ -182,7 +188,8 @@ def retrain(source: RecordSource, step: int, rewards: Mapping[str, float] | None
         results = [_replay_step(state, config, batches[s] if s < step or not rewards else
                                 edit_rewards(batches[s], rewards), s == step and bool(rewards),
                                 announced, available, names, algo) for s in range(start, step + 1)]
-    return RetrainReport(info.run_id, step, start, str(path), start_sum, start_original, tuple(results))
+    return RetrainReport(info.run_id, step, start, str(path), start_sum, start_original, tuple(results),
+                         config.trainer_ranks)
 
 
 def _replay_step(state: TrainerState, config: DoraConfig, batch: TrainBatch, edited: bool,

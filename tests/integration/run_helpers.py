@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -67,3 +72,24 @@ def metric_total(bootstrap: str, run_id: str, component: str, name: str) -> floa
         if m.run_id == run_id and m.component == component and m.name == name:
             total += m.value
     return total
+
+
+def launch_run(bootstrap: str, dora_home: Path, tmp_path: Path, config: dict[str, Any],
+               json_out: Path | None = None, output: int | None = subprocess.PIPE
+               ) -> tuple[subprocess.Popen[bytes], Path]:
+    """``dora-rl run`` of ``config`` as a child process (stdout+stderr to ``output``); returns it and the
+    new run's directory once every role is up (its ``pids.json`` exists). The caller kills it on failure."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    runs = dora_home / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()  # the session's earlier runs
+    args = [sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config", str(cfg), "--quiet"]
+    launcher = subprocess.Popen(args + (["--json", str(json_out)] if json_out else []), stdout=output,
+                                stderr=subprocess.STDOUT if output == subprocess.PIPE else output, env=dict(os.environ))
+    try:
+        wait_for(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
+                                               if d.name not in known), 120, "the roles")
+    except BaseException:
+        launcher.kill()
+        raise
+    return launcher, next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import emulated_run
+from run_helpers import emulated_run, launch_run
 from run_helpers import steps_done as _steps_done
 from run_helpers import wait_for as _wait
 
@@ -28,18 +28,9 @@ VICTIMS = ("orchestrator", "trainer", "assembler", "scorer-0", "rollout-1")
 def test_every_role_killed_once_and_the_run_completes(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.consumers.audit import audit_run
 
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / "summary.json"
-    runs = dora_home / "runs"
-    known = {d.name for d in runs.iterdir()} if runs.exists() else set()  # the session's earlier runs
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config", str(cfg),
-         "--json", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, CONFIG, out)
     try:
-        _wait(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
-                                            if d.name not in known), 120, "the roles")
-        rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
         run_id = rdir.name
         for i, victim in enumerate(VICTIMS):  # one kill every two steps, each after the previous restart
             _wait(lambda at=1 + 2 * i: _steps_done(bootstrap, run_id) >= at, 180, f"step {1 + 2 * i}")
@@ -66,16 +57,7 @@ def test_resume_after_the_launcher_itself_is_killed(bootstrap: str, dora_home: P
     from dora_rl.consumers.audit import audit_run
 
     config = {**CONFIG, "steps": 8, "seed": 6}
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(config))
-    launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
-                                 "--config", str(cfg), "--quiet"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env=dict(os.environ))
-    runs = dora_home / "runs"
-    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
-    _wait(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir() if d.name not in known),
-          120, "the roles")
-    rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+    launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, config, output=subprocess.DEVNULL)
     _wait(lambda: _steps_done(bootstrap, rdir.name) >= 2, 180, "two steps")
     launcher.kill()  # SIGKILL: its roles keep running as orphans
     launcher.wait()

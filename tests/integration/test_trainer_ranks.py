@@ -20,14 +20,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from run_helpers import wait_for
+from run_helpers import launch_run, wait_for
 
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.replay.retrain import announced_checksum, available_checkpoints, recorded, weights_checksum
@@ -74,18 +72,9 @@ def test_two_trainer_ranks_survive_a_kill_and_match_one_rank(bootstrap: str, dor
 
 
     t0 = time.monotonic()
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / "summary.json"
-    runs = dora_home / "runs"
-    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config", str(cfg),
-         "--json", str(out), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, CONFIG, out)
     try:
-        wait_for(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
-                                               if d.name not in known), 120, "the roles")
-        rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
         trainer_log = rdir / "logs" / "trainer.log"
         kept = checkpoint.replay_dir(rdir / "checkpoints", 1) / checkpoint.COMPLETE
         deadline = time.monotonic() + 120
