@@ -98,23 +98,29 @@ class Setting:
     colocated: bool = False
     max_num_seqs: int = 256
     """vLLM's ``max_num_seqs`` per instance (the scheduler's slots; KV capacity may hold fewer)."""
+    repartition: str = "migrate"
+    """DORA's ``repartition_policy`` (``migrate`` or ``drain``, decision 0029)."""
 
     @property
     def name(self) -> str:
         lay = "colocated" if self.colocated else f"{self.rollout_gpus}r+{self.train_gpus}t"
-        return f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}"
+        policy = " drain" if self.repartition == "drain" else ""
+        return f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}{policy}"
 
 
 def settings(mode: str, gpus: int) -> list[Setting]:
     """The sweep of ``mode`` on ``gpus`` GPUs: sync colocated; the asynchronous modes over the split of
-    rollout and trainer GPUs, their usual over-provisioning and vLLM's ``max_num_seqs`` (128 / 256)."""
+    rollout and trainer GPUs, their usual over-provisioning and vLLM's ``max_num_seqs`` (128 / 256); DORA
+    also over its re-partition policy (``migrate`` / ``drain``)."""
     seqs = (128, 256)
     if mode == "sync":
         return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=n) for n in seqs]
     splits = [gpus // 2, 5 * gpus // 8, 3 * gpus // 4]
     factors = {"one_step_off": [2.0], "partial": [1.5, 2.0], "dora": [2.0, 3.0]}[mode]
     s = {"one_step_off": 1, "partial": 0, "dora": 2}[mode]
-    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n) for r in splits for f in factors for n in seqs]
+    policies = ("migrate", "drain") if mode == "dora" else ("migrate",)
+    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n, repartition=pol)
+            for r in splits for f in factors for n in seqs for pol in policies]
 
 
 def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str, Any]:
@@ -127,7 +133,8 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
         "mode": setting.mode, "max_staleness": setting.staleness, "steps": w.steps, "train_batch_size": w.tbs,
         "group_size": w.group, "rollout_batch_size": rbs, "num_instances": n_inst,
         "instance_concurrency": w.max_num_seqs, "max_new_tokens": w.cap, "engine": "emulated",
-        "num_partitions": max(16, n_inst), "max_instances": max(16, n_inst)})
+        "num_partitions": max(16, n_inst), "max_instances": max(16, n_inst),
+        "repartition_policy": setting.repartition})
     spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
@@ -289,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staleness", type=int, default=None, help="default: sync/partial 0, one_step_off 1, dora 2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--repartition", choices=("migrate", "drain"), default="migrate", help="dora's policy")
     ap.add_argument("--tbs", type=int, default=Workload().tbs, help="trajectories per batch (G = 16)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)
@@ -296,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "dora": 2}[a.mode]
     st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True, max_num_seqs=a.max_num_seqs) if a.mode == "sync"
-          else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus, max_num_seqs=a.max_num_seqs))
+          else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus, max_num_seqs=a.max_num_seqs,
+                       repartition=a.repartition))
     w, eff = Workload(steps=a.steps, tbs=a.tbs), replace(Efficiencies(), train_mfu=a.train_mfu)
     import sys
     from pathlib import Path

@@ -202,6 +202,14 @@ class DoraConfig:
     """``dora`` mode: re-partition instances across live versions at least this often (also after every
     update and under load pressure)."""
 
+    repartition_policy: Literal["migrate", "drain"] = "migrate"
+    """``dora`` mode: what a re-partition does to an instance it moves to another version. ``migrate``:
+    its in-flight trajectories are cancelled and resumed, with their partial tokens, on another instance
+    of their version, and it switches at once. ``drain``: it gets no new work of its version and
+    switches when its last trajectory completes (nothing is cancelled); the newest version then queues
+    at most ``capacity + G`` per instance and an older version due at the next step gets no back-fill
+    (decision 0029: on the paper-shaped workload, migration into full instances made the trainer wait)."""
+
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""
 
@@ -246,6 +254,8 @@ class DoraConfig:
                              "reasoning_gym or module:function)")
         if self.sft_steps is None:
             return dataclasses.replace(self, sft_steps=self.warmup_steps).validate()
+        if self.repartition_policy not in ("migrate", "drain"):
+            raise ValueError(f"repartition_policy must be migrate or drain, got {self.repartition_policy!r}")
         if self.reward_service not in ("builtin", "external"):
             raise ValueError(f"reward_service must be builtin or external, got {self.reward_service!r}")
         if self.weight_transport not in ("ucx", "tcp", "file"):

@@ -21,9 +21,12 @@ Rules:
 5. **Re-partition.** After every new version (and on demand: load pressure, timer) instances are
    spread over live versions in proportion to their pending work (in-flight trajectories; for
    ``V`` also the dispatch headroom), every version with in-flight work keeping at least one
-   instance; instances keep their version when possible. An instance that switches hands its
-   in-flight trajectories over: they are cancelled there and re-dispatched, with their partial
-   tokens, to an instance holding the *same* version (so the continuation is exact, C1).
+   instance; instances keep their version when possible (:mod:`.repartition`). Under the ``migrate``
+   policy an instance that switches hands its in-flight trajectories over: they are cancelled there
+   and re-dispatched, with their partial tokens, to an instance holding the *same* version (so the
+   continuation is exact, C1). Under ``drain`` it keeps its version, gets no new work, and switches
+   at a tick once empty; the newest version then queues at most ``G`` beyond a full instance and a
+   version due at the next step (``v + S <= V``) gets no back-fill.
 6. **Elastic instances.** Instances are the live members of :mod:`.membership`: a newcomer (or one
    heard again) gets work at a re-partition made at once; one silent for ``instance_timeout_s`` is
    lost: its in-flight trajectories are queued to be generated again, from scratch, on an instance of
@@ -50,6 +53,7 @@ from dora_rl.config import DoraConfig
 from .dora_state import LOST, DoraState, ResumeQueue, TrajState, VersionSlots
 from .membership import Membership
 from .planning import Planner
+from .repartition import assign, drain_moves, drained, quotas
 from .scheduling import Cancel, Dispatch, Migration
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class DoraScheduler(Generic[P]):
         self._last_repartition = 0.0
         self.members = Membership(config.num_instances, config.instance_timeout_s)
         self.redispatched = 0
+        self.drain = config.repartition_policy == "drain"
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -157,6 +162,7 @@ class DoraScheduler(Generic[P]):
         if joined:
             log.warning("rollout-%d joined (heard at %.1f): it gets work at this re-partition", instance, now)
             iv[instance] = -1
+            self.state.draining.pop(instance, None)
             if self.state.latest >= 0:
                 self.repartition()
 
@@ -168,6 +174,7 @@ class DoraScheduler(Generic[P]):
         """Rule 6: ``instance`` stopped heartbeating; its in-flight work is queued to run again, from
         scratch, on an instance of the same version."""
         self.state.instance_version[instance] = LOST
+        self.state.draining.pop(instance, None)
         before = self.redispatched
         for tid, t in self.state.trajs.items():
             cancelled_on = self.state.migrating.get(tid)  # a cancel sent there: its partial will not come
@@ -221,40 +228,14 @@ class DoraScheduler(Generic[P]):
         pending: dict[int, float] = {v: float(self.in_flight(v)) for v in self.live_versions()}
         headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
         pending[latest] = pending.get(latest, 0.0) + headroom
-        needed = [v for v in sorted(pending) if pending[v] > 0]
-        if not needed:
-            return []
         live = self.live_instances()
-        n = len(live)
-        # at least one instance per version with in-flight work (oldest first), rest proportional
-        quota = {v: 0 for v in needed}
-        for v in needed[:n]:
-            quota[v] = 1
-        spare = n - sum(quota.values())
-        total = sum(pending[v] for v in needed)
-        if spare > 0 and total > 0:
-            exact = {v: spare * pending[v] / total for v in needed}
-            for v in needed:
-                quota[v] += int(exact[v])
-            rest = n - sum(quota.values())
-            for v in sorted(needed, key=lambda v: exact[v] - int(exact[v]), reverse=True)[:rest]:
-                quota[v] += 1
+        quota = quotas(pending, len(live))
+        if not quota:
+            return []
         current = self.state.instance_version
-        new = [v if v == LOST else -1 for v in current]
-        for i in live:  # keep instances on their version while its quota lasts
-            v = current[i]
-            if v in quota and quota[v] > 0:
-                new[i] = v
-                quota[v] -= 1
-        free = [i for i in live if new[i] < 0]
-        first = 0  # free[first:] are still free
-        for v in sorted(quota, reverse=True):  # newest first
-            while quota[v] > 0 and first < len(free):
-                new[free[first]] = v
-                first += 1
-                quota[v] -= 1
-        for i in free[first:]:
-            new[i] = latest
+        new = assign(current, live, quota, latest, LOST)
+        if self.drain:  # moved instances still decoding keep their version until empty (nothing cancelled)
+            self.state.draining = drain_moves(current, new, live, self.state.counts.load)
         cancels: list[Cancel] = []
         trajs, counts = self.state.trajs, self.state.counts
         for i in live:
@@ -290,6 +271,8 @@ class DoraScheduler(Generic[P]):
                 self._lose(i)
         if self.state.latest < 0:
             return
+        if self.state.draining:
+            self._switch_drained()
         if lost:
             self._last_repartition = now
             self.repartition()
@@ -297,6 +280,15 @@ class DoraScheduler(Generic[P]):
         if now - self._last_repartition >= self.repartition_s or self.pressure():
             self._last_repartition = now
             self.repartition()
+
+    def _switch_drained(self) -> None:
+        """Draining instances with no trajectory left take their target version (``drain`` policy)."""
+        done = drained(self.state.draining, self.state.counts.load, set(self.live_versions()), self.state.latest)
+        iv = self.state.instance_version
+        for i, version in done.items():
+            del self.state.draining[i]
+            iv[i] = version
+            self.switches += 1
 
     def version_of(self, trajectory_id: str) -> int:
         return self.state.trajs[trajectory_id].version
@@ -314,15 +306,11 @@ class DoraScheduler(Generic[P]):
                 f"resume_queue={len(self._resume)} load={self.load()} instances={st.instance_version} "
                 f"stuck={[(t, st.trajs[t].version, st.trajs[t].instance) for t in undone[:4]]}")
 
-    def _free_slots(self, version: int) -> list[tuple[int, int]]:
-        """(instance, free slots) of instances assigned to ``version``, most free first."""
-        load = self.load()
-        slots = [(i, self.capacity - load[i]) for i, v in enumerate(self.state.instance_version) if v == version]
-        return sorted([s for s in slots if s[1] > 0], key=lambda s: (-s[1], s[0]))
-
     def _slots(self, version: int) -> VersionSlots:
-        """The instances of ``version`` as a heap: what :meth:`_free_slots` and :meth:`_least_loaded` pick."""
-        holders = [i for i, v in enumerate(self.state.instance_version) if v == version]
+        """The instances of ``version`` that take work (draining ones do not), as a heap: the one with the
+        most free slots first, else the least loaded (ties: lowest index)."""
+        draining = self.state.draining
+        holders = [i for i, v in enumerate(self.state.instance_version) if v == version and i not in draining]
         return VersionSlots(self.state.counts.load, holders, self.capacity)
 
     def resume_version(self, trajectory_id: str) -> int:
@@ -372,8 +360,13 @@ class DoraScheduler(Generic[P]):
             slots: VersionSlots | None = None
             while self._prompts and self.feasible(version, self.G):
                 slots = slots or self._slots(version)
-                if version < st.latest and slots.free < self.G:
-                    break  # older versions only back-fill idle slots; the newest may queue (RBS bounds it)
+                due = self.drain and self.bound.deadline(version) <= st.latest  # trained at the next step
+                if version < st.latest and (slots.free < self.G or due):
+                    break  # older versions only back-fill idle slots (under drain: not when due next step)
+                if self.drain and version == st.latest:  # the newest queues at most G beyond a full instance
+                    top = slots.top()
+                    if top is None or top[0] > self.capacity:
+                        break
                 group_id, prompt = self._prompts.popleft()
                 trajs, add, dispatched = st.trajs, self.planner.add, st.dispatched
                 for i in range(self.G):
@@ -388,12 +381,6 @@ class DoraScheduler(Generic[P]):
                     add(tid, group_id, version)
                 st.dispatched = dispatched
         return out
-
-    def _least_loaded(self, version: int) -> int:
-        load = self.load()
-        candidates = ([i for i, v in enumerate(self.state.instance_version) if v == version]
-                      or self.live_instances())
-        return min(candidates, key=lambda i: (load[i], i))
 
     def done(self) -> bool:
         return self.state.dispatched >= self.steps * self.tbs

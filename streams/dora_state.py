@@ -243,9 +243,9 @@ for _name in ("__delitem__", "insert", "pop", "remove", "clear", "sort", "revers
 
 
 class VersionSlots:
-    """The instances holding one version, least loaded first, ties to the lowest index: the order in which
-    ``DoraScheduler._free_slots`` lists instances with a free slot (``capacity - load``, most first) and
-    in which ``DoraScheduler._least_loaded`` picks one. A heap over the live ``load`` counts, kept while
+    """The instances holding one version, least loaded first, ties to the lowest index (so the one with the
+    most free slots, ``capacity - load``, comes first): where the scheduler places work. A heap over the
+    live ``load`` counts, kept while
     one call places work (``changed`` after each placement), so placing ``n`` trajectories costs
     ``O(n log instances)``."""
 
@@ -287,6 +287,7 @@ class DoraState:
     trajs: dict[str, TrajState] = field(default_factory=dict)
     instance_version: list[int] = field(default_factory=list)
     migrating: dict[str, int] = field(default_factory=dict)  # tid -> instance cancelled on, awaiting its partial
+    draining: dict[int, int] = field(default_factory=dict)  # instance -> version it takes once empty (drain policy)
 
     counts: ClassVar[_Counts]  # set per instance on the first assignment of trajs
 

@@ -50,6 +50,7 @@ def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:
             "kind": "dora", "latest": st.latest, "next_cut": st.next_cut, "dispatched": st.dispatched,
             "trajs": {t: [x.version, x.instance, x.group_id, x.done] for t, x in st.trajs.items()},
             "instance_version": st.instance_version, "migrating": st.migrating,
+            "draining": {str(i): v for i, v in st.draining.items()},
             "planner": dump_planner(s.planner), "prompts": [[g, dump(p)] for g, p in s._prompts],
             "resume": [[m.trajectory_id, m.version, None if m.partial is None else dump(m.partial), v]
                        for m, v in s._resume],
@@ -77,6 +78,7 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         st.trajs = {t: TrajState(int(v), int(i), str(g), bool(done)) for t, (v, i, g, done) in d["trajs"].items()}
         st.instance_version = [int(v) for v in d["instance_version"]]
         st.migrating = {t: int(v) for t, v in d["migrating"].items()}
+        st.draining = {int(i): int(v) for i, v in d.get("draining", {}).items()}
         load_planner(s.planner, d["planner"])
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
         s._resume = ResumeQueue((Migration(t, int(v), None if partial is None else load(partial)), int(rv))

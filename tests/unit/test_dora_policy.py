@@ -36,6 +36,17 @@ def test_invariants_hold_on_random_workloads(mode: str, s: int, rbs: int, seed: 
     assert r.dispatched == BASE["steps"] * BASE["train_batch_size"]  # every dispatched one was trained
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize(("s", "rbs"), [(1, 64), (2, 96)])
+def test_invariants_hold_under_the_drain_policy(s: int, rbs: int, seed: int) -> None:
+    params = EmulatedParams(time_scale=0.0, seed=seed, cap_fraction=0.05 + 0.05 * seed)
+    r = simulate(_cfg("dora", s, rbs, repartition_policy="drain"), params, train_s_per_token=1e-4 * (1 + seed))
+    assert r.steps == BASE["steps"] and set(r.batch_sizes) == {BASE["train_batch_size"]}
+    assert r.refused == 0 and max(r.staleness) <= s and r.mixed_version_trajectories == 0
+    assert r.dispatched == BASE["steps"] * BASE["train_batch_size"]
+    assert r.migrations == 0  # nothing is cancelled by a re-partition: instances drain
+
+
 def test_partial_mode_breaks_c1_by_design() -> None:
     r = simulate(_cfg("partial", 0, 64), EmulatedParams(time_scale=0.0, seed=1))
     assert r.steps == BASE["steps"] and r.mixed_version_trajectories > 0

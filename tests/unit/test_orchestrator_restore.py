@@ -26,12 +26,12 @@ RUN = "r1"
 POISON = f"{RUN}/p3/1"  # its reward fails: the group is refused and replaced
 
 
-def _cfg(mode: str, s: int) -> DoraConfig:
+def _cfg(mode: str, s: int, policy: str = "migrate") -> DoraConfig:
     tbs, g = 8, 4
     return DoraConfig.from_dict({"mode": mode, "max_staleness": s, "steps": 5, "train_batch_size": tbs,
                                  "group_size": g, "rollout_batch_size": tbs * (s + 1), "num_instances": 2,
                                  "instance_concurrency": 6, "engine": "emulated", "repartition_s": 3.0,
-                                 "instance_timeout_s": 5.0})
+                                 "instance_timeout_s": 5.0, "repartition_policy": policy})
 
 
 ELASTIC = ("dora", "partial")  # modes whose instances come and go: instance 1 is lost, instance 2 joins
@@ -134,17 +134,28 @@ def _wire(outs: list[OutRecord]) -> list[tuple[str, str, int | None, bytes]]:
             for o in outs]
 
 
-@pytest.mark.parametrize(("mode", "s", "seed"), [("dora", 1, 0), ("dora", 2, 1), ("sync", 0, 2),
-                                                 ("partial", 0, 3)])
-def test_crash_at_every_record_boundary_gives_the_uninterrupted_output(mode: str, s: int, seed: int) -> None:
-    config = _cfg(mode, s)
+@pytest.mark.parametrize(("mode", "s", "seed", "policy"), [("dora", 1, 0, "migrate"), ("dora", 2, 1, "migrate"),
+                                                           ("sync", 0, 2, "migrate"), ("partial", 0, 3, "migrate"),
+                                                           ("dora", 1, 1, "drain"), ("dora", 2, 0, "drain")])
+def test_crash_at_every_record_boundary_gives_the_uninterrupted_output(mode: str, s: int, seed: int,
+                                                                       policy: str) -> None:
+    config = _cfg(mode, s, policy)
     inputs, times = _record_world(config, seed)
     factory = lambda: Orchestrator(RUN, config)  # noqa: E731
     clean = MemoryDriver(factory, inputs, times).run()
     assert any(o.topic == topics.SCHEDULE for o in clean)
     if mode in ("dora", "partial"):
-        assert any(o.topic == topics.REQUESTS and o.record.action == "CANCEL" for o in clean), "no migration"
+        refused = {r.record.group_id for r in inputs if r.topic == topics.DLQ}  # its members are cancelled
+        migrations = any(o.topic == topics.REQUESTS and o.record.action == "CANCEL" and o.record.group_id not in refused
+                         for o in clean)
+        assert migrations == (policy == "migrate"), "a drain cancels nothing (but a refused group); a migration does"
         assert any(o.topic == topics.METRICS and o.record.name == "redispatched" for o in clean), "no re-dispatch"
+    if policy == "drain":  # instances drained: snapshots carried the draining set through every crash
+        versions_of = {}
+        for o in clean:
+            if o.topic == topics.REQUESTS and o.record.action == "GENERATE":
+                versions_of.setdefault(o.partition, []).append(o.record.policy_version)
+        assert any(len(set(v)) > 1 for v in versions_of.values()), "no instance ever switched version"
     for k in range(1, len(inputs)):
         driver = MemoryDriver(factory, inputs, times, commit_every=3)
         crashed = driver.run(crash_after=[k])
