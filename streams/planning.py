@@ -67,8 +67,7 @@ def plan_batch(complete: Sequence[GroupView], in_flight_deadlines: Sequence[int]
     trajectories exist, or while the best choice (earliest deadline first, then completion order)
     would leave the rest infeasible for the following steps.
     """
-    counts = Counter(in_flight_deadlines if isinstance(in_flight_deadlines, Mapping)
-                     else Counter(in_flight_deadlines))
+    counts = Counter(in_flight_deadlines)  # a mapping's counts, or a sequence's elements counted
     if any(d <= next_step for d, n in counts.items() if n > 0):
         return None
     ordered = sorted(complete, key=lambda g: (g.deadline, g.completed_seq))

@@ -22,16 +22,14 @@ every backward reduce-scatters it, so all ranks must run the same number of forw
 per optimizer step; ``policy_update`` pads the ranks with fewer micro-batches with zero-loss dummy
 passes (see there).
 
-Also here: process-group set-up (:func:`init_gloo` for a fixed port, :func:`init_ranks` over a store
-rank 0 opened), the batch hand-off from rank 0 (:func:`broadcast_batch`), and full (unsharded, CPU)
-model/optimizer state dicts for checkpoints (:func:`full_state_dict`, :func:`full_optimizer_state_dict`,
-:func:`load_full_state`; :func:`plain_state_dicts` / :func:`load_plain` convert them to and from an
-unsharded model, locally).
+Also here: process-group set-up (:func:`init_ranks`, over a store rank 0 opened), the batch hand-off from rank
+0 (:func:`broadcast_batch`), and full (unsharded, CPU) model/optimizer state dicts for checkpoints
+(:func:`full_state_dict`, :func:`full_optimizer_state_dict`, :func:`load_full_state`;
+:func:`plain_state_dicts` / :func:`load_plain` convert them to and from an unsharded model, locally).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -56,7 +54,7 @@ T = TypeVar("T")
 class DataParallel:
     """This process's place among the data-parallel ranks: ``0 <= rank < world``.
 
-    The default process group must be initialised (:func:`init_gloo`) before any collective here or in
+    The default process group must be initialised (:func:`init_ranks`) before any collective here or in
     ``policy_update`` runs with ``world > 1``; ``world == 1`` never communicates.
     """
 
@@ -70,20 +68,6 @@ class DataParallel:
     def owner(self, j: int) -> int:
         """The rank that trains the ``j``-th group of a minibatch (round-robin)."""
         return j % self.world
-
-
-def init_gloo(rank: int, world: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
-              timeout_s: float = 300.0) -> DataParallel:
-    """Join the default (gloo, CPU) process group of ``world`` ranks rendezvousing at
-    ``master_addr:master_port``; returns this rank's :class:`DataParallel`."""
-    dp = DataParallel(rank, world)
-    os.environ["MASTER_ADDR"] = master_addr
-    os.environ["MASTER_PORT"] = str(master_port)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:
-        raise RuntimeError(f"rank {rank}/{world}: gloo rendezvous at {master_addr}:{master_port} failed") from exc
-    return dp
 
 
 def init_ranks(rank: int, world: int, store: dist.Store, cuda: bool, timeout_s: float) -> DataParallel:

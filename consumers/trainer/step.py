@@ -92,20 +92,12 @@ def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig,
     return stats
 
 
-def autocast_dtype(config: DoraConfig) -> torch.dtype | None:
-    """The autocast dtype of the trainer's forward/backward (None: plain fp32)."""
-    return torch.bfloat16 if config.dtype == "bf16" else None
-
-
 @contextmanager
 def precision(config: DoraConfig) -> Iterator[None]:
     """bf16 autocast on ``config.device`` when ``config.dtype == "bf16"`` (the weights, gradients and
     AdamW state stay fp32: the master copy); a no-op for fp32."""
-    dtype = autocast_dtype(config)
-    if dtype is None:
-        yield
-        return
-    with torch.autocast(device_type=torch.device(config.device).type, dtype=dtype):
+    with torch.autocast(device_type=torch.device(config.device).type, dtype=torch.bfloat16,
+                        enabled=config.dtype == "bf16"):
         yield
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from dora_rl.consumers.trainer.distributed import (
     broadcast_batch,
     full_optimizer_state_dict,
     full_state_dict,
-    init_gloo,
+    init_ranks,
     load_full_state,
     shard_model,
 )
@@ -97,7 +98,8 @@ def _train(model_dir: Path, samples: list[Sample], dp: DataParallel, sync: bool)
 
 def _worker(rank: int, world: int, port: int, model_dir: Path, samples: list[Sample], out: Path) -> None:
     torch.set_num_threads(1)
-    dp = init_gloo(rank, world, master_port=port, timeout_s=120.0)  # a collective mismatch fails, not hangs
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dp = init_ranks(rank, world, store, cuda=False, timeout_s=120.0)  # a collective mismatch fails, not hangs
     try:
         batch = broadcast_batch(samples if rank == 0 else None, dp)
         model, opt, stats = _train(model_dir, batch, dp, sync=True)
