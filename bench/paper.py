@@ -260,8 +260,21 @@ def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: A
                            for k in out["ratios"]}
     out["gpu_time_share"] = {m: {k: statistics.fmean(r["gpu_time_share"][k] for r in a["runs"])
                                  for k in a["runs"][0]["gpu_time_share"]} for m, a in agg.items()}
+    out["held_back_by"] = {m: held_back_by(share) for m, share in out["gpu_time_share"].items()}
     out["chosen"] = chosen
     return out
+
+
+BOUND_GOAL = 0.85
+"""The issue's goal for dora's fraction of the bubble-free bound."""
+
+LOST = ("intra_instance_bubble", "inter_instance_bubble", "trainer_wait", "weight_sync", "re_prefill", "prefill")
+"""GPU-time shares that are not useful work (decoding occupied slots and training are)."""
+
+
+def held_back_by(share: dict[str, float]) -> dict[str, float]:
+    """What holds a mode back from the bound: its lost GPU-time shares, largest first (``LOST``)."""
+    return dict(sorted(((k, share[k]) for k in LOST if k in share), key=lambda kv: -kv[1]))
 
 
 def fit_train_mfu(w: Workload, seeds: list[int], grid: list[float], best: dict[str, Setting], log: Any = print,

@@ -112,6 +112,12 @@ def drive(args: argparse.Namespace) -> int:
     for g, res in results.items():
         fractions = ", ".join(f"{m} {v:.2f}" for m, v in res["fraction_of_bound"].items())
         print(f"{g} GPUs fraction of the bound: {fractions}")
+        dora = res["fraction_of_bound"]["dora"]
+        if dora < paper.BOUND_GOAL:
+            cause, share = next(iter(res["held_back_by"]["dora"].items()))
+            print(f"{g} GPUs dora at {dora:.2f} of the bound (goal {paper.BOUND_GOAL}): held back most by {cause} "
+                  f"({share:.0%} of its GPU time); all lost shares: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in res["held_back_by"]["dora"].items()))
     path = write_result("paper-sim", out, args.out)
     plot(results, rows, path.with_suffix(".png"))
     print(f"wrote {path}")

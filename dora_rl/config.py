@@ -225,6 +225,17 @@ class DoraConfig:
     emulated: dict[str, Any] = field(default_factory=dict)
     """Parameters of the emulated engine (see ``dora_rl.producers.rollout.emulated``)."""
 
+    modelled_train_s_fixed: float = 0.0
+    """Emulated benches: the trainer's step takes at least ``modelled_train_s_fixed +
+    modelled_train_s_per_token * (prompt + response tokens of the batch)`` seconds
+    (:func:`dora_rl.core.emulation.modelled_train_s`, the simulator's trainer cost): after its real
+    update it waits out the rest, reported as the ``modelled_wait_s`` metric. With the emulated engine the
+    real update is nearly free (its tokens score 0, so every advantage is 0), which would hide the
+    trainer's share of the step. 0 and 0 (the default): off."""
+
+    modelled_train_s_per_token: float = 0.0
+    """See ``modelled_train_s_fixed``."""
+
     def validate(self) -> DoraConfig:
         """Check the invariants; returns the (possibly normalised) config or raises ValueError."""
         if self.mode not in MODES:
@@ -237,6 +248,8 @@ class DoraConfig:
                              f"train_batch_size ({self.train_batch_size})")
         if self.rollout_batch_size % self.group_size:
             raise ValueError("rollout_batch_size must be a multiple of group_size")
+        if self.modelled_train_s_fixed < 0 or self.modelled_train_s_per_token < 0:
+            raise ValueError("modelled_train_s_fixed and modelled_train_s_per_token must be >= 0")
         StalenessBound(self.max_staleness)  # raises on a negative bound
         if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1 or self.max_attempts < 1:
             raise ValueError("steps, num_instances, instance_concurrency and max_attempts must be >= 1")

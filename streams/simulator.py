@@ -12,8 +12,9 @@ run unchanged; only the world around them is simulated on a virtual clock:
   overflow preempts the newest sequence (recomputed later), a version switch costs ``switch_s``;
   lengths are the model's long-tailed ``planned_length``. Between events an instance's active set is
   fixed, so its progress is advanced in closed form (:func:`decode_steps_within`), not step by step;
-- **trainer**: takes batch ``k`` when it is cut and idle, spends ``train_s_fixed + train_s_per_token *
-  (prompt + response tokens)``, then publishes version ``k + 1``;
+- **trainer**: takes batch ``k`` when it is cut and idle, spends :func:`modelled_train_s` (``train_s_fixed +
+  train_s_per_token * (prompt + response tokens)``, the real trainer's modelled time too), then publishes
+  version ``k + 1``;
 - **migration**: a cancelled trajectory's tokens so far move to an instance of the same version.
 
 Where the time goes (instance-seconds, :class:`LostTime`): decoding (its empty slots are the
@@ -40,6 +41,7 @@ from dora_rl.core.emulation import (
     decode_time,
     kv_admits,
     kv_steps_left,
+    modelled_train_s,
     planned_length,
     prefill_time,
 )
@@ -206,11 +208,13 @@ class _Instance:
 
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
              train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
-             max_events: int | None = None) -> SimResult:
+             max_events: int | None = None, group_prefix: str = "g") -> SimResult:
     """Run ``config`` on the virtual clock; returns figures and the invariant counters.
 
     ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it).
-    ``max_events`` (default ``100`` per trajectory of the run, at least 2M) stops a run that livelocks."""
+    ``max_events`` (default ``100`` per trajectory of the run, at least 2M) stops a run that livelocks.
+    Group ``i`` is ``f"{group_prefix}{i}"``: with a real run's prefix (``"<run id>/p"``, the dataset role's
+    ids) every request draws the same emulated length as in that run (lengths hash the request id)."""
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
@@ -231,7 +235,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             push(nf, "tick", (inst.index, inst.epoch))
 
     for g in range(config.steps * config.train_batch_size // config.group_size + config.rollout_batch_size):
-        sched.add_prompt(f"g{g}", None)
+        sched.add_prompt(f"{group_prefix}{g}", None)
     now = 0.0
     trainer_free_at = 0.0
     trainer_busy = 0.0
@@ -334,7 +338,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         if pending_batches and trainer_free_at <= now:
             cut = pending_batches.pop(0)
             tokens = sum(trajs[t.trajectory_id].length for t in cut.trajectories)
-            dur = train_s_fixed + train_s_per_token * (tokens + prompt_tokens * len(cut.trajectories))
+            dur = modelled_train_s(train_s_fixed, train_s_per_token, tokens + prompt_tokens * len(cut.trajectories))
             train_start.append(now)
             train_s.append(dur)
             step_tokens.append(tokens)

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from dora_rl.config import DoraConfig
+from dora_rl.core.emulation import modelled_train_s
 from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
@@ -76,6 +77,19 @@ def validate_batch(batch: TrainBatch, config: DoraConfig) -> str | None:
     if any(t.reward is None for t in batch.trajectories):
         return "a trajectory in the batch has no reward"
     return None
+
+
+def pad_to_modelled_time(batch: TrainBatch, config: DoraConfig, spent_s: float) -> float | None:
+    """Wait out the modelled step time (``config.modelled_train_s_*``, emulated benches) after a real update
+    that took ``spent_s``; returns the seconds waited (``None`` when no model is configured). A real update
+    longer than the model is not shortened: it waits 0."""
+    if not (config.modelled_train_s_fixed or config.modelled_train_s_per_token):
+        return None
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
+    wait = max(0.0, modelled_train_s(config.modelled_train_s_fixed, config.modelled_train_s_per_token, tokens)
+               - spent_s)
+    time.sleep(wait)
+    return wait
 
 
 def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, int], int],
@@ -222,6 +236,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 t0 = time.perf_counter()
                 stats = train_step(state, batch, config) if ranks is None else ranks.train_step(batch)
                 crash_point("trainer.after_update")
+                modelled_wait = pad_to_modelled_time(batch, config, time.perf_counter() - t0)
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
                 with transaction():  # the version, its metrics and the consumed batch: all or nothing
@@ -232,6 +247,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                             metrics.emit(name, stats[name], step=step, version=step + 1)
                     metrics.emit("train_s", step_s, step=step)
                     metrics.emit("wait_s", waited, step=step)
+                    if modelled_wait is not None:
+                        metrics.emit("modelled_wait_s", modelled_wait, step=step)
                     metrics.emit("idle_ratio", idle_s / max(idle_s + busy_s, 1e-9), step=step)
                     consumer.commit_in_transaction(producer.raw)
                     crash_point("trainer.before_commit")

@@ -186,6 +186,17 @@ def prefill_time(tokens: int, params: EmulatedParams) -> float:
     return params.prefill_s_per_token * t + params.prefill_s_per_token_sq * t * t / 2.0
 
 
+def modelled_train_s(fixed_s: float, per_token_s: float, tokens: int) -> float:
+    """Modelled seconds of one training step on a batch of ``tokens`` prompt + response tokens::
+
+        train_s = fixed_s + per_token_s * tokens
+
+    (forward, backward and optimizer work grow with the tokens; ``fixed_s`` holds what does not: the
+    optimizer step over the weights, the version's publication). One home for the simulator's trainer and
+    the real trainer's modelled time (``DoraConfig.modelled_train_s_*``, for emulated benches)."""
+    return max(0.0, fixed_s) + max(0.0, per_token_s) * max(0, tokens)
+
+
 def kv_admits(context: int, active: int, request_tokens: int, params: EmulatedParams) -> bool:
     """Whether a request of ``request_tokens`` (prompt + partial) fits next to the ``active`` sequences
     holding ``context`` tokens, leaving free the larger of one more step of all of them and the watermark
