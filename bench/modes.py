@@ -21,12 +21,13 @@ with the same :class:`DoraConfig`, the same emulated parameters (virtual clock),
 prompt length and the run's request ids (so every request draws the same length in both); per mode the mean
 throughput and step time of both are compared (goal: within 15%).
 
-Figures per run (from its own topics): ``throughput_tokens_per_s`` = trained response tokens / RL wall
-time (version 0 -> last update); ``step_time_s`` = RL wall / steps; ``trainer_idle_ratio`` = the trainer's
-waiting / (waiting + training); ``rollout_idle_ratio`` = 1 - instances' busy time / (instances x RL wall);
+Figures per run (from its own topics), over the steady steps (the first ``WARMUP`` left out, in both):
+``throughput_tokens_per_s`` = trained response tokens / wall time of those steps; ``step_time_s`` = that wall
+/ their number; ``trainer_idle_ratio`` = the trainer's waiting / (waiting + training) in those steps;
+``rollout_idle_ratio`` = 1 - instances' busy time / (instances x RL wall);
 the staleness histogram and the audit verdict.
 
-Usage: ``python bench/modes.py [--steps 8] [--seeds 0 1 2] [--modes sync,one_step_off,partial,dora]``
+Usage: ``python bench/modes.py [--steps 10] [--seeds 0 1 2] [--modes sync,one_step_off,partial,dora]``
 (``--quick``: no sweep, one setting per mode, seed 0). Writes ``bench/results/modes-<timestamp>.json`` and ``.png``.
 """
 
@@ -40,6 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+WARMUP = 2
+"""Steps left out of the figures (start-up and the over-provisioned head start; see :func:`steady_figures`)."""
 
 TBS = 128
 SLOTS = 64
@@ -107,12 +111,19 @@ def collect(bootstrap: str, run_id: str, summary: dict[str, Any]) -> dict[str, A
         return {o.partition: o.offset for o in info.start_offsets if o.topic == topic}
 
     wait = train = 0.0
+    step_end_ms: dict[int, int] = {}
+    step_tokens: dict[int, float] = {}
     for msg in read_all(bootstrap, topics.METRICS, start(topics.METRICS)):
         m = Metric.decode(msg.value(), msg.headers())
-        if m.run_id == run_id and m.component == "trainer" and m.name == "wait_s" and (m.step or 0) > 0:
-            wait += m.value  # step 0's wait includes start-up; every mode pays it alike
-        elif m.run_id == run_id and m.component == "trainer" and m.name == "train_s":
-            train += m.value
+        if m.run_id != run_id or m.component != "trainer" or m.step is None:
+            continue
+        if m.name == "wait_s" and m.step >= WARMUP:
+            wait += m.value
+        elif m.name == "train_s":  # emitted with the step's new version: its time is the step's end
+            step_end_ms[m.step] = m.ts_ms
+            train += m.value if m.step >= WARMUP else 0.0
+        elif m.name == "trained_tokens":
+            step_tokens[m.step] = m.value
     busy: dict[str, float] = {}
     for msg in read_all(bootstrap, topics.INSTANCES, start(topics.INSTANCES)):
         st = InstanceStatus.decode(msg.value(), msg.headers())
@@ -127,14 +138,27 @@ def collect(bootstrap: str, run_id: str, summary: dict[str, Any]) -> dict[str, A
     report = audit_run(bootstrap, run_id)
     rl_wall = float(summary["rl_wall_s"])
     steps = int(summary["steps"])
+    steady = steady_figures([step_end_ms[k] / 1000 for k in sorted(step_end_ms)],
+                            [step_tokens.get(k, 0.0) for k in sorted(step_end_ms)])
     return {
         "run_id": run_id, "audit_ok": report.ok, "steps": steps, "rl_wall_s": rl_wall,
-        "trained_tokens": summary["trained_tokens"], "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
-        "step_time_s": rl_wall / max(1, steps), "trainer_idle_ratio": wait / max(1e-9, wait + train),
+        "trained_tokens": summary["trained_tokens"], "whole_run_throughput": summary["throughput_tokens_per_s"],
+        **steady, "trainer_idle_ratio": wait / max(1e-9, wait + train),
         "rollout_idle_ratio": max(0.0, 1 - sum(busy.values()) / (len(busy or [0]) * rl_wall)),
         "max_staleness_seen": report.max_staleness_seen, "staleness_histogram": report.staleness_histogram,
         "mean_prompt_tokens": prompts / max(1, trajs),
     }
+
+
+def steady_figures(step_end_s: list[float], step_tokens: list[float]) -> dict[str, float]:
+    """Throughput and step time over the steady steps ``WARMUP..N-1``: the window runs from the end of step
+    ``WARMUP - 1`` to the end of the last step, so start-up (processes, first weight loads) and the first
+    steps' head start from over-provisioning are outside it, in the real run and the simulated one alike."""
+    if len(step_end_s) <= WARMUP:
+        raise ValueError(f"{len(step_end_s)} steps: need more than the {WARMUP} warm-up steps")
+    wall = step_end_s[-1] - step_end_s[WARMUP - 1]
+    return {"throughput_tokens_per_s": sum(step_tokens[WARMUP:]) / wall,
+            "step_time_s": wall / (len(step_end_s) - WARMUP), "steady_wall_s": wall}
 
 
 def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str) -> dict[str, Any]:
@@ -149,8 +173,8 @@ def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str) -> 
     r = simulate(cfg, params, train_s_fixed=cfg.modelled_train_s_fixed,
                  train_s_per_token=cfg.modelled_train_s_per_token, switch_s=params.load_s,
                  prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p")
-    return {"throughput_tokens_per_s": r.throughput, "step_time_s": r.wall_s / max(1, r.steps), "steps": r.steps,
-            "trainer_idle_ratio": 1 - r.trainer_busy_s / max(1e-9, r.wall_s), "lost": r.lost.as_dict()}
+    return {**steady_figures(r.step_end_s, [float(n) for n in r.step_tokens]), "steps": r.steps,
+            "whole_run_throughput": r.throughput, "lost": r.lost.as_dict()}
 
 
 def mean_spread(xs: list[float]) -> dict[str, float]:
@@ -205,7 +229,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--modes", default="sync,one_step_off,partial,dora")
     ap.add_argument("--quick", action="store_true", help="no sweep: one setting per mode, the first seed only")

@@ -121,7 +121,8 @@ class KafkaDriver:
     def start(self) -> None:
         """Restore the processor from its latest snapshot (if any) and assign every input partition."""
         t0 = time.perf_counter()
-        snap = latest_snapshot(self.bootstrap, self.run_id, self.proc.name)
+        snap = latest_snapshot(self.bootstrap, self.run_id, self.proc.name,
+                               since=self.start_offsets.get((topics.STATE, 0), 0))
         if snap is not None:
             self.proc.restore(snap.state, self.ctx)
             self.restored_from = int(snap.commit)

@@ -36,11 +36,11 @@ class PoisonGuard:
     """Durable tries and refusals of one rollout instance (see the module docstring)."""
 
     def __init__(self, bootstrap: str, run_id: str, instance_id: str, producer: RecordProducer,
-                 max_attempts: int) -> None:
+                 max_attempts: int, state_since: int = 0) -> None:
         self.run_id, self.instance_id, self.producer = run_id, instance_id, producer
         self.max_attempts = max_attempts
         self.name = f"{instance_id}.attempts"
-        snap = latest_snapshot(bootstrap, run_id, self.name)
+        snap = latest_snapshot(bootstrap, run_id, self.name, since=state_since)
         self.attempts = Attempts.loads(snap.state) if snap is not None else Attempts()
         self.commit = int(snap.commit) if snap is not None else 0
         self.last_error: dict[str, str] = {}

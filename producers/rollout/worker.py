@@ -209,7 +209,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     inst_dlq = DeadLetters(producer, f"rollout-{index}", run_id)
     metrics = Metrics(producer, run_id, f"rollout-{index}")
     eng: Engine = engine if engine is not None else make_engine(config, index)
-    guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts)
+    guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts,
+                        state_since=start_offsets.get((topics.STATE, 0), 0))
     inst = Instance(run_id, index, config, producer, eng.decode, guard)
     fetcher = Fetcher(config.weight_transport, token) if eng.fetches_weights else None
     holder = (InstanceHolder(config.weight_transport, run_id, token)
