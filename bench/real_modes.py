@@ -4,8 +4,14 @@ Every run is the real system end to end, started as ``dora-rl run`` (a subproces
 the torch engine, the tiny model, the ``reverse`` task, SFT warm-up then GRPO — the defaults of
 ``DoraConfig``), against one fresh local broker shared by the runs of this invocation (or
 ``--bootstrap-servers``). For each seed it runs every mode, one after another (modes interleaved, so
-a drift of the machine's speed hits them alike): ``sync`` (RBS = TBS) and ``dora`` with
-``--staleness`` S (RBS = (S + 1) x TBS, as bench/modes.py and bench/results/run30-dora-S1-*).
+a drift of the machine's speed hits them alike).
+
+Settings (fair baselines, issue 13): each mode first runs every candidate of ``SWEEP`` for
+``--sweep-steps`` steps on the first seed; the one with the shortest RL wall per step is then run on
+every seed for ``--steps`` steps. Candidates: sync with 1 or 2 rollout instances (on 2 cores a second
+instance lets the generation phase use both); dora with S = 1 or 2, RBS = 1x to 3x TBS, 1 or 2
+instances. ``--no-sweep`` runs the defaults: sync RBS = TBS and dora ``--staleness`` S with
+RBS = (S + 1) x TBS, one instance each. The sweep's runs are in the result (``sweep``).
 
 Figures per run, from its own ``dora.metrics``: each RL step's reward (the trainer's ``reward_mean``
 of the step's batch, 0-1) and the wall time at which the step's update was announced, counted from
@@ -14,12 +20,22 @@ the launch of ``dora-rl run`` (``t_launch_s``: warm-up included, what a user wai
 (defined from the fifth step on). A run reaches a threshold at the first step whose rolling-5 reward
 is >= it; its time to the threshold is that step's time.
 
+CPU (the machine's ceiling): while a run goes, a sampler reads the machine's busy core-seconds
+(``psutil.cpu_times``: all but idle and iowait) and each process of the run's tree (labelled by its role,
+a helper process by the role it descends from) every 0.5 s; over the RL window (version 0 -> last step)
+``busy_core_s`` and ``utilization = busy_core_s / (cpus x RL wall)``. No schedule can finish the same work
+faster than ``work / cpus``, so on this machine
+  ceiling = (sync's RL wall per step) / (min over modes of busy core-s per step / cpus)
+bounds dora's step-time speedup over sync (time to a reward can only add the shared warm-up and any lag in
+reward per step). Run on a quiet machine: the busy count is the whole machine's.
+
 Thresholds: ``--threshold`` (repeatable), else the *common level* — the highest rolling-5 reward every
 run reaches (the minimum over runs of each run's best rolling-5) — and 0.33 (issue 13's figure) when
 every run reaches it. Per mode: the mean time to each threshold over the seeds (None if a run never
 reaches it); ``speedup`` = mean time of sync / mean time of dora (> 1: dora is faster).
 
-Usage: ``python bench/real_modes.py [--steps 30] [--seeds 0,1] [--staleness 1] [--set '{"k": v}']``
+Usage: ``python bench/real_modes.py [--steps 30] [--seeds 0,1] [--sweep-steps 10 | --no-sweep [--staleness 1]]
+[--set '{"k": v}']``
 (``--set``: DoraConfig fields for every run, e.g. a smaller workload for a smoke run). Needs a quiet
 machine: every run is timed. Writes ``bench/results/real-modes-<UTC timestamp>.json`` and ``.png``.
 """
@@ -32,9 +48,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ISSUE_THRESHOLD = 0.33
@@ -53,17 +72,38 @@ def time_to(run: dict[str, Any], threshold: float, key: str = "t_launch_s") -> f
     return None
 
 
-def run_config(mode: str, seed: int, staleness: int, steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The DoraConfig fields of one run (defaults, ``--set`` overrides, then the mode's own)."""
+SWEEP: dict[str, list[dict[str, Any]]] = {
+    "sync": [{"staleness": 0, "rbs_factor": 1.0, "num_instances": 1},
+             {"staleness": 0, "rbs_factor": 1.0, "num_instances": 2}],
+    "dora": [{"staleness": 1, "rbs_factor": 1.0, "num_instances": 1},
+             {"staleness": 1, "rbs_factor": 2.0, "num_instances": 1},
+             {"staleness": 2, "rbs_factor": 2.0, "num_instances": 1},
+             {"staleness": 2, "rbs_factor": 3.0, "num_instances": 1},
+             {"staleness": 1, "rbs_factor": 2.0, "num_instances": 2}],
+}
+"""Each mode's candidate settings (module docstring)."""
+
+
+def setting_name(mode: str, st: dict[str, Any]) -> str:
+    return f"{mode} S={st['staleness']} RBS={st['rbs_factor']:g}xTBS instances={st['num_instances']}"
+
+
+def default_setting(mode: str, staleness: int) -> dict[str, Any]:
+    """``--no-sweep``: sync RBS = TBS; dora S with RBS = (S + 1) x TBS; one instance."""
+    if mode == "dora":
+        return {"staleness": staleness, "rbs_factor": float(staleness + 1), "num_instances": 1}
+    return {"staleness": 0, "rbs_factor": 1.0, "num_instances": 1}
+
+
+def run_config(mode: str, seed: int, setting: dict[str, Any], steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The DoraConfig fields of one run (defaults, ``--set`` overrides, then the mode's setting)."""
     from dora_rl.config import DoraConfig
 
     tbs = int(overrides.get("train_batch_size", DoraConfig().train_batch_size))
-    cfg = {**overrides, "seed": seed, "mode": mode, "steps": steps}
-    if mode == "dora":
-        cfg.update(max_staleness=staleness, rollout_batch_size=(staleness + 1) * tbs)
-    else:
-        cfg.update(max_staleness=0, rollout_batch_size=tbs)
-    return cfg
+    group = int(overrides.get("group_size", DoraConfig().group_size))
+    rbs = int(setting["rbs_factor"] * tbs) // group * group
+    return {**overrides, "seed": seed, "mode": mode, "steps": steps, "max_staleness": setting["staleness"],
+            "rollout_batch_size": rbs, "num_instances": setting["num_instances"]}
 
 
 def step_times(bootstrap: str, run_id: str) -> tuple[dict[int, float], dict[int, int], int | None]:
@@ -89,21 +129,96 @@ def step_times(bootstrap: str, run_id: str) -> tuple[dict[int, float], dict[int,
     return rewards, ts, v0
 
 
-def one_run(bootstrap: str, mode: str, seed: int, args: argparse.Namespace, overrides: dict[str, Any],
-            workdir: Path) -> dict[str, Any]:
+class CpuSampler(threading.Thread):
+    """Samples ``(time, machine busy core-s, {role: core-s})`` every ``period`` s for one process tree."""
+
+    def __init__(self, root_pid: int, period: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.root_pid, self.period = root_pid, period
+        self.samples: list[tuple[float, float, dict[str, float]]] = []
+        self._per_pid: dict[int, tuple[str, float]] = {}  # the last reading of every process seen (dead ones kept)
+        self._halt = threading.Event()
+
+    @staticmethod
+    def _label(p: psutil.Process) -> str:
+        """The role of ``p``: the word after ``dora_rl`` in its own or its nearest ancestor's command line."""
+        q: psutil.Process | None = p
+        while q is not None:
+            cmd = q.cmdline()
+            if "dora_rl" in cmd and cmd.index("dora_rl") + 1 < len(cmd):
+                role = cmd[cmd.index("dora_rl") + 1]
+                return f"{role}-{cmd[cmd.index('--index') + 1]}" if "--index" in cmd else role
+            if "dora_rl.cli" in cmd:
+                return "launcher"
+            q = q.parent()
+        return "other"
+
+    def _read(self) -> None:
+        try:
+            root = psutil.Process(self.root_pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for p in procs:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    label = self._per_pid[p.pid][0] if p.pid in self._per_pid else self._label(p)
+                    self._per_pid[p.pid] = (label, t.user + t.system)
+            except psutil.Error:
+                continue
+        roles: dict[str, float] = {}
+        for label, cpu in self._per_pid.values():
+            roles[label] = roles.get(label, 0.0) + cpu
+        m = psutil.cpu_times()
+        self.samples.append((time.time(), sum(m) - m.idle - getattr(m, "iowait", 0.0), roles))
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self._read()
+            self._halt.wait(self.period)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """Busy core-s of the machine and per role between wall times ``t0`` and ``t1`` (linear in between)."""
+        ts = [s[0] for s in self.samples]
+
+        def at(t: float, get: Any) -> float:
+            import bisect
+
+            i = min(max(bisect.bisect_left(ts, t), 1), len(ts) - 1)
+            (ta, a), (tb, b) = (ts[i - 1], get(self.samples[i - 1])), (ts[i], get(self.samples[i]))
+            return a if tb == ta else a + (b - a) * (min(max(t, ta), tb) - ta) / (tb - ta)
+
+        roles = sorted({r for s in self.samples for r in s[2]})
+        return {"busy_core_s": at(t1, lambda s: s[1]) - at(t0, lambda s: s[1]),
+                "per_role_core_s": {r: at(t1, lambda s, r=r: s[2].get(r, 0.0)) - at(t0, lambda s, r=r: s[2].get(r, 0.0))
+                                    for r in roles}}
+
+
+def one_run(bootstrap: str, mode: str, seed: int, setting: dict[str, Any], n_steps: int,
+            overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Launch ``dora-rl run`` once and collect its figures."""
-    cfg = run_config(mode, seed, args.staleness, args.steps, overrides)
-    cfg_path = workdir / f"{mode}-s{seed}.json"
+    cfg = run_config(mode, seed, setting, n_steps, overrides)
+    tag = f"{mode}-s{seed}-{len(list(workdir.glob('*.json')))}"
+    cfg_path = workdir / f"{tag}.json"
     cfg_path.write_text(json.dumps(cfg))
-    summary_path = workdir / f"{mode}-s{seed}-summary.json"
+    summary_path = workdir / f"{tag}-summary.json"
     cmd = [sys.executable, "-m", "dora_rl.cli", "--log-level", "WARNING", "run", "--bootstrap-servers", bootstrap,
            "--config", str(cfg_path), "--json", str(summary_path), "--quiet"]
     print(f"== {mode} seed {seed}: {' '.join(cmd[2:])}  config {json.dumps(cfg)}", file=sys.stderr, flush=True)
     t_launch = time.time()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        sampler = CpuSampler(proc.pid)
+        sampler.start()
+        out_text, _ = proc.communicate()
+        sampler.stop()
     wall = time.time() - t_launch
     if proc.returncode != 0 or not summary_path.exists():
-        print(proc.stdout[-4000:], file=sys.stderr)
+        print(out_text[-4000:], file=sys.stderr)
         raise RuntimeError(f"dora-rl run ({mode}, seed {seed}) failed with exit code {proc.returncode}")
     summary = json.loads(summary_path.read_text())
     rewards, ts, v0 = step_times(bootstrap, summary["run_id"])
@@ -113,7 +228,8 @@ def one_run(bootstrap: str, mode: str, seed: int, args: argparse.Namespace, over
 
     report = audit_run(bootstrap, summary["run_id"])
     run = {
-        "mode": mode, "seed": seed, "run_id": summary["run_id"], "config": cfg, "wall_s": wall,
+        "mode": mode, "seed": seed, "setting": setting_name(mode, setting), "run_id": summary["run_id"],
+        "config": cfg, "wall_s": wall,
         "warmup_s": summary["warmup_s"], "rl_wall_s": summary["rl_wall_s"],
         "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
         "max_staleness_seen": summary["max_staleness_seen"], "audit_ok": report.ok,
@@ -121,10 +237,20 @@ def one_run(bootstrap: str, mode: str, seed: int, args: argparse.Namespace, over
         "t_launch_s": [ts[k] / 1000 - t_launch for k in steps],
         "t_rl_s": [(ts[k] - v0) / 1000 if v0 is not None else None for k in steps],
     }
+    if v0 is not None and steps:
+        t0, t1 = v0 / 1000, ts[steps[-1]] / 1000
+        cpu = sampler.window(t0, t1)
+        ncpu = psutil.cpu_count() or 1
+        run["cpu"] = {**cpu, "rl_window_s": t1 - t0, "cpus": ncpu,
+                      "utilization": cpu["busy_core_s"] / (ncpu * (t1 - t0)),
+                      "busy_core_s_per_step": cpu["busy_core_s"] / len(steps),
+                      "wall_s_per_step": (t1 - t0) / len(steps)}
     best = max((r for r in run["rolling5"] if r is not None), default=None)
-    print(f"   {mode:5s} seed {seed}: wall {wall:6.1f}s  warm-up {run['warmup_s']:5.1f}s  RL {run['rl_wall_s']:6.1f}s"
+    print(f"   {setting_name(mode, setting)} seed {seed}: wall {wall:6.1f}s  warm-up {run['warmup_s']:5.1f}s"
+          f"  RL {run['rl_wall_s']:6.1f}s"
           f"  {run['throughput_tokens_per_s']:7.0f} tok/s  best rolling-5 {best}  audit "
-          f"{'PASS' if report.ok else 'FAIL'}", file=sys.stderr, flush=True)
+          f"{'PASS' if report.ok else 'FAIL'}  CPU utilization "
+          f"{run.get('cpu', {}).get('utilization', float('nan')):.2f}", file=sys.stderr, flush=True)
     return run
 
 
@@ -150,6 +276,26 @@ def summarize(runs: list[dict[str, Any]], thresholds: list[float]) -> dict[str, 
             s, d = row.get("sync", {}).get(f"mean_{key}"), row.get("dora", {}).get(f"mean_{key}")
             row[f"speedup_{key}"] = s / d if s and d else None
         out[f"{th:.4f}"] = row
+    return out
+
+
+def cpu_ceiling(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The machine's bound on dora's step-time speedup over sync (formula in the module docstring)."""
+    per_mode: dict[str, dict[str, float]] = {}
+    for m in sorted({r["mode"] for r in runs}):
+        cpus = [r["cpu"] for r in runs if r["mode"] == m and "cpu" in r]
+        if not cpus:
+            return None
+        per_mode[m] = {key: sum(c[key] for c in cpus) / len(cpus)
+                       for key in ("utilization", "busy_core_s_per_step", "wall_s_per_step")}
+    if "sync" not in per_mode:
+        return None
+    work = min(v["busy_core_s_per_step"] for v in per_mode.values())
+    ncpu = runs[0]["cpu"]["cpus"]
+    out: dict[str, Any] = {"per_mode": per_mode, "min_busy_core_s_per_step": work,
+                           "ceiling_step_speedup": per_mode["sync"]["wall_s_per_step"] / (work / ncpu)}
+    if "dora" in per_mode:
+        out["measured_step_speedup"] = per_mode["sync"]["wall_s_per_step"] / per_mode["dora"]["wall_s_per_step"]
     return out
 
 
@@ -185,7 +331,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bx.set_ylabel("mean time to threshold (s, from launch)")
     bx.legend()
     fig.suptitle(f"bench/real_modes: `dora-rl run` (torch engine, real workload), {result['steps']} steps, "
-                 f"seeds {result['seeds']}, dora S={result['staleness']}")
+                 f"seeds {result['seeds']}\n{'; '.join(result['chosen'].values())}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -195,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seeds", default="0,1", help="comma-separated config seeds (every mode runs each)")
     ap.add_argument("--modes", default="sync,dora")
-    ap.add_argument("--staleness", type=int, default=1, help="dora's max_staleness S")
+    ap.add_argument("--staleness", type=int, default=1, help="--no-sweep: dora's max_staleness S")
+    ap.add_argument("--sweep-steps", type=int, default=10, help="steps of each sweep run (on the first seed)")
+    ap.add_argument("--no-sweep", action="store_true", help="run the default settings without a sweep")
     ap.add_argument("--threshold", type=float, action="append", default=None,
                     help="rolling-5 reward threshold (repeatable; default: the common level, and 0.33 if reached)")
     ap.add_argument("--set", default="{}", help="JSON object of DoraConfig fields for every run")
@@ -224,13 +372,24 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         **provenance(), "engine": "torch", "workload": "dora-rl run defaults (DoraConfig) + --set",
         "set": overrides, "steps": args.steps, "seeds": seeds, "modes": modes, "staleness": args.staleness,
+        "sweep_steps": None if args.no_sweep else args.sweep_steps, "sweep": [], "chosen": {},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
         "load_avg_at_start": os.getloadavg(), "runs": []}
     try:
         prepare_topics(bootstrap, 4)
+        chosen = {m: default_setting(m, args.staleness) for m in modes}
+        if not args.no_sweep:
+            for mode in modes:
+                tried = []
+                for st in SWEEP[mode]:
+                    r = one_run(bootstrap, mode, seeds[0], st, args.sweep_steps, overrides, workdir)
+                    result["sweep"].append(r)
+                    tried.append((r["cpu"]["wall_s_per_step"] if "cpu" in r else float("inf"), st))
+                chosen[mode] = min(tried, key=lambda x: x[0])[1]
+        result["chosen"] = {m: setting_name(m, st) for m, st in chosen.items()}
         for seed in seeds:
             for mode in modes:
-                result["runs"].append(one_run(bootstrap, mode, seed, args, overrides, workdir))
+                result["runs"].append(one_run(bootstrap, mode, seed, chosen[mode], args.steps, overrides, workdir))
     finally:
         if broker is not None:
             broker.stop()
@@ -246,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     result["common_level"] = common if common > float("-inf") else None
     result["thresholds"] = thresholds
     result["time_to_threshold"] = summarize(runs, thresholds)
+    result["cpu_ceiling"] = cpu_ceiling(runs)
     result["load_avg_at_end"] = os.getloadavg()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = Path(args.out) if args.out else RESULTS / f"real-modes-{stamp}.json"
@@ -256,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         means = "  ".join(f"{m} {row[m]['mean_t_launch_s']}" for m in modes if m in row)
         print(f"rolling-5 >= {th}: mean time from launch  {means}  speedup sync/dora "
               f"{row['speedup_t_launch_s']}  (from version 0: {row['speedup_t_rl_s']})")
+    if result["cpu_ceiling"]:
+        c = result["cpu_ceiling"]
+        print(f"CPU: utilization {json.dumps({m: round(v['utilization'], 3) for m, v in c['per_mode'].items()})}; "
+              f"ceiling on the step-time speedup on {runs[0]['cpu']['cpus']} cores {c['ceiling_step_speedup']:.2f}x, "
+              f"measured {c.get('measured_step_speedup')}")
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
 
