@@ -196,6 +196,11 @@ def mean_spread(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
     return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
 
 
+def mean_shares(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each GPU-time share (``figures``' ``gpu_time_share``) averaged over ``runs``."""
+    return {k: statistics.fmean(r["gpu_time_share"][k] for r in runs) for k in runs[0]["gpu_time_share"]}
+
+
 def _run_job(job: tuple[Setting, Workload, Efficiencies, int]) -> dict[str, Any]:
     return run(*job)
 
@@ -258,8 +263,7 @@ def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: A
     per_seed = [ratios(i) for i in range(len(seeds))]
     out["ratio_spread"] = {k: {"min": min(r[k] for r in per_seed), "max": max(r[k] for r in per_seed)}
                            for k in out["ratios"]}
-    out["gpu_time_share"] = {m: {k: statistics.fmean(r["gpu_time_share"][k] for r in a["runs"])
-                                 for k in a["runs"][0]["gpu_time_share"]} for m, a in agg.items()}
+    out["gpu_time_share"] = {m: mean_shares(a["runs"]) for m, a in agg.items()}
     out["held_back_by"] = {m: held_back_by(share) for m, share in out["gpu_time_share"].items()}
     out["chosen"] = chosen
     return out

@@ -53,12 +53,12 @@ def layouts(gpus: int) -> list[paper.Setting]:
 def summarize(gpus: int, st: paper.Setting, runs: list[dict[str, Any]], bound: dict[str, Any],
               sync_step: float) -> dict[str, Any]:
     """Mean and spread over seeds of one setting at one size, against sync and the bound."""
-    thr = [r["throughput"] for r in runs]
+    thr = paper.mean_spread(runs, "throughput")
     step = statistics.fmean(r["step_time_s"] for r in runs)
-    shares = {k: statistics.fmean(r["gpu_time_share"][k] for r in runs) for k in runs[0]["gpu_time_share"]}
+    shares = paper.mean_shares(runs)
     return {"gpus": gpus, "setting": st.name, "mode": st.mode, "repartition": st.repartition,
-            "step_time_s": step, "throughput": {"mean": statistics.fmean(thr), "min": min(thr), "max": max(thr)},
-            "step_vs_sync": sync_step / step, "fraction_of_bound": statistics.fmean(thr) / bound["tokens_per_s"],
+            "step_time_s": step, "throughput": thr,
+            "step_vs_sync": sync_step / step, "fraction_of_bound": thr["mean"] / bound["tokens_per_s"],
             "gpu_time_share": shares, "held_back_by": paper.held_back_by(shares),
             "max_staleness": max(r["max_staleness"] for r in runs), "c1_breaks": sum(r["c1_breaks"] for r in runs),
             "runs": runs}

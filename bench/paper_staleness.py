@@ -50,7 +50,7 @@ def main() -> int:
         mine = runs[i * n:(i + 1) * n]
         thr = statistics.fmean(r["throughput"] for r in mine)
         step = statistics.fmean(r["step_time_s"] for r in mine)
-        shares = {k: statistics.fmean(r["gpu_time_share"][k] for r in mine) for k in mine[0]["gpu_time_share"]}
+        shares = paper.mean_shares(mine)
         out["settings"][st.name] = {"staleness": st.staleness, "repartition": st.repartition,
                                     "step_time_s": step, "throughput": thr, "vs_sync": sync_step / step,
                                     "fraction_of_bound": thr / bound["tokens_per_s"],

@@ -43,6 +43,7 @@ machine: every run is timed. Writes ``bench/results/real-modes-<UTC timestamp>.j
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import subprocess
@@ -187,8 +188,6 @@ class CpuSampler(threading.Thread):
         ts = [s[0] for s in self.samples]
 
         def at(t: float, get: Any) -> float:
-            import bisect
-
             i = min(max(bisect.bisect_left(ts, t), 1), len(ts) - 1)
             (ta, a), (tb, b) = (ts[i - 1], get(self.samples[i - 1])), (ts[i], get(self.samples[i]))
             return a if tb == ta else a + (b - a) * (min(max(t, ta), tb) - ta) / (tb - ta)
