@@ -202,13 +202,15 @@ class DoraConfig:
     """``dora`` mode: re-partition instances across live versions at least this often (also after every
     update and under load pressure)."""
 
-    repartition_policy: Literal["migrate", "drain"] = "migrate"
+    repartition_policy: Literal["migrate", "drain"] = "drain"
     """``dora`` mode: what a re-partition does to an instance it moves to another version. ``migrate``:
     its in-flight trajectories are cancelled and resumed, with their partial tokens, on another instance
     of their version, and it switches at once. ``drain``: it gets no new work of its version and
     switches when its last trajectory completes (nothing is cancelled); the newest version then queues
     at most ``capacity + G`` per instance and an older version due at the next step gets no back-fill
-    (decision 0029: on the paper-shaped workload, migration into full instances made the trainer wait)."""
+    (decision 0029: on the paper-shaped workload, migration into full instances made the trainer wait).
+    ``drain`` is the default since decision 0033: it was measured ahead on every workload tried (``bench/modes``
+    +7-9%, the paper's setup at 64 and 128 GPUs) and ``migrate`` collapses at 512+ GPUs (0.53x sync)."""
 
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""

@@ -31,9 +31,10 @@ def _run(bootstrap: str, **over: Any) -> Any:
     return audit_run(bootstrap, summary["run_id"])
 
 
-@pytest.mark.parametrize(("mode", "staleness", "rbs"), [("one_step_off", 1, 32), ("dora", 1, 32), ("dora", 2, 48)])
-def test_audit_passes(bootstrap: str, dora_home: Path, mode: str, staleness: int, rbs: int) -> None:
-    report = _run(bootstrap, mode=mode, max_staleness=staleness, rollout_batch_size=rbs)
+@pytest.mark.parametrize(("mode", "staleness", "rbs", "policy"), [("one_step_off", 1, 32, "drain"),
+                                                                  ("dora", 1, 32, "drain"), ("dora", 2, 48, "migrate")])
+def test_audit_passes(bootstrap: str, dora_home: Path, mode: str, staleness: int, rbs: int, policy: str) -> None:
+    report = _run(bootstrap, mode=mode, max_staleness=staleness, rollout_batch_size=rbs, repartition_policy=policy)
     assert report.ok, report.render()
     assert report.max_staleness_seen <= staleness
     assert report.trajectories_batched == BASE["steps"] * BASE["train_batch_size"]
