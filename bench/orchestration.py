@@ -22,7 +22,8 @@ an event O(1) (a group's completion O(G)), an idle punctuate O(K), a dispatch O(
 re-partition O(N + its migrations), a batch cut O(R log R). T, R, M, H grow with N: O(N log N).
 
 Usage: ``python bench/orchestration.py [--scales 512 2048 8192] [--capacity 16] [--steps 4]
-[--step-time-s 300] [--heartbeat-s 1]``; writes ``bench/results/orchestration-<UTC stamp>.json``, ``.png``.
+[--step-time-s 300] [--heartbeat-s 1] [--repartition drain|migrate]``; writes
+``bench/results/orchestration-<UTC stamp>.json``, ``.png``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ PARTS = ("events", "heartbeats", "tick", "dispatch", "cancels", "resumes", "plan
 
 def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int = 3, step_time_s: float = 300.0,
               heartbeat_s: float = 1.0, poll_s: float = 0.05, poll_records: int = 500, group_size: int = 16,
-              max_staleness: int = 2, decode_median: float = 0.5, seed: int = 0) -> dict[str, Any]:
-    """Run ``warmup + steps`` training steps; returns per-step timings (measured steps only) and checks."""
+              max_staleness: int = 2, decode_median: float = 0.5, seed: int = 0,
+              repartition_policy: str | None = None) -> dict[str, Any]:
+    """Run ``warmup + steps`` training steps; returns per-step timings (measured steps only) and checks.
+    ``repartition_policy``: DORA's (``migrate`` / ``drain``); ``None``: the config's default."""
     from dora_rl.config import DoraConfig
     from dora_rl.streams.scheduling import make_scheduler
 
@@ -58,7 +61,8 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
     cfg = DoraConfig.from_dict({
         "mode": "dora", "max_staleness": max_staleness, "steps": total + k + 1, "train_batch_size": tbs,
         "rollout_batch_size": rbs, "group_size": group_size, "num_instances": instances,
-        "max_instances": instances, "instance_concurrency": capacity, "engine": "emulated"})
+        "max_instances": instances, "instance_concurrency": capacity, "engine": "emulated",
+        **({"repartition_policy": repartition_policy} if repartition_policy else {})})
     sched: Any = make_scheduler(cfg)
     rng = random.Random(seed)
     median_s, sigma, cap_s = decode_median * step_time_s, math.log(12) / 2.326, 5 * decode_median * step_time_s
@@ -199,19 +203,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-median", type=float, default=0.5, help="median decode time, in steps")
     for flag, default in (("--max-staleness", 2), ("--group", 16), ("--seed", 0)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--repartition", choices=("migrate", "drain"), default=None,
+                    help="DORA's re-partition policy (default: the config's, recorded in the result)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from provenance import provenance, write_result
 
+    from dora_rl.config import DoraConfig
+
     out: dict[str, Any] = {**provenance(), "engine": "virtual world, real scheduling rules (no Kafka)",
-                           "args": vars(args), "cpus": os.cpu_count(), "scales": {}}
+                           "args": vars(args), "cpus": os.cpu_count(), "scales": {},
+                           "repartition_policy": args.repartition or DoraConfig().repartition_policy}
     med = statistics.median
     for n in args.scales:
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         r = run_scale(n, args.capacity, steps=args.steps, warmup=args.warmup, step_time_s=args.step_time_s,
                       heartbeat_s=args.heartbeat_s, group_size=args.group, max_staleness=args.max_staleness,
-                      decode_median=args.decode_median, seed=args.seed)
+                      decode_median=args.decode_median, seed=args.seed, repartition_policy=args.repartition)
         st = r["steps"]
         for key in ("wall_ms", "sched_ms", "cpu_ms"):
             r[f"{key}_median"], r[f"{key}_max"] = med(s[key] for s in st), max(s[key] for s in st)
