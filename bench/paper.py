@@ -80,10 +80,14 @@ class Workload:
     """Per step fixed trainer cost (optimizer step, checkpoint of the version to serve)."""
     max_num_seqs: int = 256
     """vLLM's ``max_num_seqs`` per instance."""
+    instance_speed_sigma: float = 0.0
+    """The MoE-imbalance variant's spread of instance speeds (``EmulatedParams.instance_speed_sigma``;
+    0: the paper's dense model)."""
 
     def params(self, eff: Efficiencies, seed: int) -> EmulatedParams:
         return rollout_params(H800, QWEN25_32B, eff, TP, self.max_num_seqs, seed=seed,
-                              length_median=self.length_median, sigma=self.sigma, cap_fraction=self.cap_fraction)
+                              length_median=self.length_median, sigma=self.sigma, cap_fraction=self.cap_fraction,
+                              instance_speed_sigma=self.instance_speed_sigma)
 
 
 @dataclass(frozen=True)

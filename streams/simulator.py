@@ -39,6 +39,7 @@ from dora_rl.core.emulation import (
     EmulatedParams,
     decode_steps_within,
     decode_time,
+    for_instance,
     kv_admits,
     kv_steps_left,
     modelled_train_s,
@@ -218,7 +219,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
-    insts = [_Instance(i, config.instance_concurrency, p) for i in range(config.num_instances)]
+    insts = [_Instance(i, config.instance_concurrency, for_instance(p, i)) for i in range(config.num_instances)]
     trajs: dict[str, _Traj] = {}
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
@@ -291,7 +292,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
 
     def start(inst: _Instance, tr: _Traj, now: float) -> None:
         tr.versions.add(inst.version)
-        pre = prefill_time(tr.context, p)
+        pre = prefill_time(tr.context, inst.params)  # its own speed (``for_instance``)
         if tr.done_tokens:
             inst.lost.reprefill_s += pre
         else:

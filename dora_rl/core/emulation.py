@@ -22,7 +22,14 @@ sleeps ``time_scale`` times these model seconds) and the discrete-event simulato
 * **KV capacity** (``kv_capacity_tokens`` per instance, 0 = unbounded): a request is admitted only while
   the instance's context plus its own fits; when the next step would overflow, the most recently
   admitted sequence is preempted and recomputed later (re-prefill of prompt + partial), as vLLM does
-  (:func:`kv_admits`, :func:`kv_steps_left`).
+  (:func:`kv_admits`, :func:`kv_steps_left`);
+* **instance imbalance** (``instance_speed_sigma``, 0 = identical instances): instance ``i`` runs every
+  decode and prefill cost above ``f_i`` times as slowly, ``f_i = exp(sigma * z_i + sigma**2 / 2)`` with
+  ``z_i ~ N(0, 1)`` hashed from ``(seed, i)``: its speed ``1 / f_i`` is log-normal with mean 1, so a
+  large fleet computes as much as identical instances would (the bubble-free bound is unchanged) and
+  what a schedule loses to the spread is its own; :func:`for_instance` gives instance ``i`` its scaled
+  parameters, for the emulated engine (:func:`dora_rl.producers.rollout.requests.make_engine`) and the
+  simulator alike.
 
 **Length model** (all draws are hashes of ``(seed, id)``, so a length is a pure function of
 ``(seed, request_id, max_new_tokens)``; request ids are ``"<group_id>/<sample_index>"``)::
@@ -48,7 +55,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from statistics import NormalDist
 from typing import Any, Literal
 
@@ -97,6 +104,11 @@ class EmulatedParams:
     """Share of the KV capacity a new request must leave free when admitted (vLLM's block-manager
     ``watermark`` default, 0.01): without it, admission fills the cache to one step of headroom and every
     step preempts and re-admits (thrash)."""
+    instance_speed_sigma: float = 0.0
+    """Log-space spread of per-instance speed (module docstring, "instance imbalance"): the MoE-imbalance
+    variant of issue 13, standing for expert-load imbalance that makes some expert-parallel instances
+    slower than others (or a heterogeneous fleet). Source: an assumption, not calibrated — no MoE model
+    runs here; 0 (a dense model on identical GPUs) everywhere but where a bench sets it."""
     seed: int = 0
     """Seed of every length and token draw."""
     vocab: int = 32000
@@ -121,6 +133,7 @@ class EmulatedParams:
             "kv_s_per_token >= 0": self.kv_s_per_token >= 0, "kv_capacity_tokens >= 0": self.kv_capacity_tokens >= 0,
             "prefill_s_per_token_sq >= 0": self.prefill_s_per_token_sq >= 0,
             "0 <= kv_watermark < 1": 0 <= self.kv_watermark < 1,
+            "instance_speed_sigma >= 0": self.instance_speed_sigma >= 0,
             "vocab >= 5": self.vocab >= 5, "eos_id >= 0": self.eos_id >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
@@ -139,6 +152,25 @@ class EmulatedParams:
 
 
 # -- pure timing model -----------------------------------------------------------------------------
+
+
+def instance_factor(index: int, params: EmulatedParams) -> float:
+    """``f_i`` of instance ``index``: how many times as slowly it computes (module docstring)."""
+    sd = params.instance_speed_sigma
+    if sd == 0:
+        return 1.0
+    return math.exp(sd * _normal(params.seed, "instance-speed", str(index)) + sd * sd / 2.0)
+
+
+def for_instance(params: EmulatedParams, index: int) -> EmulatedParams:
+    """The parameters instance ``index`` runs with: every decode and prefill cost times
+    :func:`instance_factor` (``params`` itself when the spread is 0)."""
+    f = instance_factor(index, params)
+    if f == 1.0:
+        return params
+    return replace(params, base_step_s=params.base_step_s * f, kv_s_per_token=params.kv_s_per_token * f,
+                   prefill_s_per_token=params.prefill_s_per_token * f,
+                   prefill_s_per_token_sq=params.prefill_s_per_token_sq * f)
 
 
 def step_time(active: int, capacity: int, params: EmulatedParams, context: int = 0) -> float:

@@ -65,12 +65,12 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
 
     seed = config.seed * 1000 + index
     if config.engine == "emulated":
-        from dora_rl.core.emulation import EmulatedParams
+        from dora_rl.core.emulation import EmulatedParams, for_instance
 
         from .emulated import EmulatedEngine
 
         params = EmulatedParams.from_dict({"seed": config.seed, **config.emulated})
-        return EmulatedEngine(params, capacity=config.instance_concurrency)
+        return EmulatedEngine(for_instance(params, index), capacity=config.instance_concurrency)
     if config.engine == "vllm":
         from .vllm_engine import VllmEngine
 
