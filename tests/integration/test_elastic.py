@@ -85,9 +85,12 @@ def test_24_instances_each_serving_at_least_two_versions(bootstrap: str, dora_ho
     from dora_rl.infra.runs import get_run, offsets_map
     from dora_rl.schemas.records import InstanceStatus
 
+    # migrate: a moved instance switches at once. Under drain (the default) the instances that keep the oldest
+    # version's stragglers switch only when those finish, which in a 6-step run can come after the last
+    # dispatch: measured, rollout-0 and -1 then ended on version 0 alone (decision 0033)
     config = {**CONFIG, "num_instances": 24, "max_instances": 24, "steps": 6, "train_batch_size": 48,
               "group_size": 4, "rollout_batch_size": 96, "instance_concurrency": 8, "seed": 10,
-              "max_staleness": 2}
+              "max_staleness": 2, "repartition_policy": "migrate"}
     cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
     cfg.write_text(json.dumps(config))
     res = subprocess.run([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config",
