@@ -96,18 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         for j, st in enumerate(sts):
             rs = block[j * n:(j + 1) * n]
             frac = [r["throughput"] / bound["tokens_per_s"] for r in rs]
-            shares = paper.mean_shares(rs)
-            row = {"sigma": sd, "setting": st.name, "mode": st.mode,
-                   "step_time_s": statistics.fmean(r["step_time_s"] for r in rs),
-                   "throughput": paper.mean_spread(rs, "throughput"),
-                   "fraction_of_bound": statistics.fmean(frac), "fraction_of_bound_min": min(frac),
-                   "fraction_of_bound_max": max(frac),
+            row = {"sigma": sd, **paper_scale.summarize(GPUS, st, rs, bound, sync_step),
+                   "fraction_of_bound_min": min(frac), "fraction_of_bound_max": max(frac),
                    "instance_speeds": [speeds(st, replace(base, instance_speed_sigma=sd), eff, seed)
-                                       for seed in a.seeds],
-                   "gpu_time_share": shares, "held_back_by": paper.held_back_by(shares),
-                   "max_staleness": max(r["max_staleness"] for r in rs), "c1_breaks": sum(r["c1_breaks"] for r in rs),
-                   "runs": rs}
-            row["step_vs_sync"] = sync_step / row["step_time_s"]
+                                       for seed in a.seeds]}
             out["rows"].append(row)
             cause, share = next(iter(row["held_back_by"].items()))
             print(f"sigma {sd:4.2f} {st.name:52s} step {row['step_time_s']:7.1f}s  vs sync {row['step_vs_sync']:5.2f}x"
