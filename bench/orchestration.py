@@ -17,9 +17,11 @@ and without heartbeats, as a fraction of ``--step-time-s``; requests in flight (
 consumed: the rules' state; and still decoding); growth between scales. Mode ``dora``, S = 2 (K = 3).
 
 Cost per step (from the code; N instances, R <= RBS unconsumed, T = TBS, K = S + 1, P polls, H
-heartbeats, M migrations): ``O(T log N + R log R + (step / repartition_s) N + M log M + P K + H)``:
-an event O(1) (a group's completion O(G)), an idle punctuate O(K), a dispatch O(log N), a
-re-partition O(N + its migrations), a batch cut O(R log R). T, R, M, H grow with N: O(N log N).
+heartbeats, M migrations, F instances freed by re-partitions, D punctuates that may place work):
+``O(T log N + R log R + D N + F log F + M log M + P K + H)``: an event O(1) (a group's completion O(G)),
+an idle punctuate O(K), a dispatch that may place work O(N) for its version's heap then O(log N) per
+trajectory, a re-partition O(K + the instances it frees + its migrations) — O(K) when it would decide
+nothing — and a batch cut O(R log R). T, R, M, H grow with N.
 
 Usage: ``python bench/orchestration.py [--scales 512 2048 8192] [--capacity 16] [--steps 4]
 [--step-time-s 300] [--heartbeat-s 1] [--repartition drain|migrate]``; writes
@@ -77,7 +79,7 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
     plan_time: dict[int, float] = {}
     steps_out: list[dict[str, Any]] = []
     cur: dict[str, float] = dict.fromkeys((*PARTS, "cpu"), 0.0)
-    polls, peak, migrated, marks = [0], [0], [0], [0, 0]
+    polls, peak, migrated, marks = [0], [0], [0], [0, 0, 0]
 
     def timed(part: str, fn: Callable[[], Any]) -> Any:
         c0 = time.thread_time()  # CPU time too: on a shared machine wall-clock includes waiting for a core
@@ -122,9 +124,11 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
                               "cpu_ms": cur["cpu"] * 1e3,
                               "polls": polls[0], "virtual_s": now - version_at, "decoding": decoding,
                               "unconsumed_peak": peak[0], "repartitions": sched.repartitions - marks[0],
+                              "unchanged_repartitions": getattr(sched, "unchanged_repartitions", 0) - marks[2],
                               "switches": sched.switches - marks[1], "migrations": migrated[0]})
             cur = dict.fromkeys((*PARTS, "cpu"), 0.0)
-            polls[0], peak[0], migrated[0], marks[:] = 0, 0, 0, [sched.repartitions, sched.switches]
+            polls[0], peak[0], migrated[0] = 0, 0, 0
+            marks[:] = [sched.repartitions, sched.switches, getattr(sched, "unchanged_repartitions", 0)]
             version, version_at = version + 1, now
             timed("version", partial(sched.on_version, version, now))
             punctuate(now)

@@ -36,8 +36,13 @@ Cost (what lets one orchestrator drive thousands of instances, ``bench/orchestra
 state keeps counts in step with every change (:mod:`dora_rl.streams.dora_state`: load per
 instance, in-flight work per version, idle instances per version), so a completion, a score or a
 heartbeat is ``O(1)``, a punctuate with nothing to do ``O(S)``, placing a trajectory
-``O(log instances)`` (a heap of the version's instances), a re-partition ``O(instances + the
-trajectories it moves)``: no rule scans every trajectory on an event or a poll. The partial-rollout
+``O(log instances)`` (a heap of the version's instances), a re-partition ``O(versions + the instances
+it frees + the trajectories it moves)`` (each version's holders are kept sorted, so only the tail beyond
+its quota is looked at), and one that would decide nothing — the same newest version, quotas and
+holders as the last one left them, no draining instance emptied since — ``O(versions)``: it is
+skipped, with the same outcome (``tests/unit/test_dora_policy.py``). A draining instance is switched
+when it empties (the counts note who emptied), not found by a scan. No rule scans every trajectory or
+every instance on an event or a poll. The partial-rollout
 baseline reuses these rules (:mod:`dora_rl.streams.partial_policy`).
 """
 
@@ -84,6 +89,9 @@ class DoraScheduler(Generic[P]):
         self.members = Membership(config.num_instances, config.instance_timeout_s)
         self.redispatched = 0
         self.drain = config.repartition_policy == "drain"
+        # (latest, quotas, instances' epoch) as the last re-partition left them: the same again decides nothing
+        self._unchanged: tuple[int, dict[int, int], int] | None = None
+        self.unchanged_repartitions = 0
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -228,18 +236,24 @@ class DoraScheduler(Generic[P]):
         pending: dict[int, float] = {v: float(self.in_flight(v)) for v in self.live_versions()}
         headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
         pending[latest] = pending.get(latest, 0.0) + headroom
-        live = self.live_instances()
-        quota = quotas(pending, len(live))
+        counts = self.state.counts
+        quota = quotas(pending, len(self.state.instance_version) - counts.holders.get(LOST, 0))
         if not quota:
             return []
+        same = (latest, quota, counts.epoch)
+        emptied, draining = counts.emptied, self.state.draining
+        if same == self._unchanged and not (draining and (emptied is None or any(i in draining for i in emptied))):
+            self.unchanged_repartitions += 1
+            return []  # what it would decide is what holds now: nothing moves, the same instances drain
         current = self.state.instance_version
-        new = assign(current, live, quota, latest, LOST)
+        moves = assign(counts.members, quota, latest, LOST)  # the free instances only: O(versions + moved)
         if self.drain:  # moved instances still decoding keep their version until empty (nothing cancelled)
-            self.state.draining = drain_moves(current, new, live, self.state.counts.load)
+            self.state.draining = drain_moves(current, moves, counts.load)
+            counts.emptied = set()  # every draining instance decodes now
         cancels: list[Cancel] = []
-        trajs, counts = self.state.trajs, self.state.counts
-        for i in live:
-            if current[i] >= 0 and new[i] != current[i]:
+        trajs = self.state.trajs
+        for i, version in moves.items():
+            if current[i] >= 0 and version != current[i]:
                 self.switches += 1
                 # what it decodes of its version, in trajs order (from the counts: O(its load))
                 moving = tuple(sorted((tid for tid in counts.placed.get(i, ()) if trajs[tid].version == current[i]),
@@ -247,9 +261,12 @@ class DoraScheduler(Generic[P]):
                 if moving:
                     for tid in moving:
                         self.state.migrating[tid] = i
-                        self.state.trajs[tid].instance = -1
+                        trajs[tid].instance = -1
                     cancels.append(Cancel(i, moving))
-        self.state.instance_version = new
+        for i, version in moves.items():
+            if version != current[i]:
+                current[i] = version
+        self._unchanged = (latest, quota, counts.epoch)
         self.cancels.extend(cancels)
         return cancels
 
@@ -273,6 +290,8 @@ class DoraScheduler(Generic[P]):
             return
         if self.state.draining:
             self._switch_drained()
+        elif self.state.counts.emptied:
+            self.state.counts.emptied = set()  # nothing drains: who emptied does not matter
         if lost:
             self._last_repartition = now
             self.repartition()
@@ -282,11 +301,16 @@ class DoraScheduler(Generic[P]):
             self.repartition()
 
     def _switch_drained(self) -> None:
-        """Draining instances with no trajectory left take their target version (``drain`` policy)."""
-        done = drained(self.state.draining, self.state.counts.load, set(self.live_versions()), self.state.latest)
-        iv = self.state.instance_version
+        """Draining instances with no trajectory left take their target version (``drain`` policy); only
+        those that emptied since the last tick are looked at (all of them after a restore)."""
+        st = self.state
+        emptied = st.counts.emptied
+        done = drained(st.draining, st.draining if emptied is None else emptied, st.counts.load,
+                       set(self.live_versions()), st.latest)
+        st.counts.emptied = set()
+        iv = st.instance_version
         for i, version in done.items():
-            del self.state.draining[i]
+            del st.draining[i]
             iv[i] = version
             self.switches += 1
 
@@ -310,7 +334,7 @@ class DoraScheduler(Generic[P]):
         """The instances of ``version`` that take work (draining ones do not), as a heap: the one with the
         most free slots first, else the least loaded (ties: lowest index)."""
         draining = self.state.draining
-        holders = [i for i, v in enumerate(self.state.instance_version) if v == version and i not in draining]
+        holders = [i for i in self.state.counts.members.get(version, ()) if i not in draining]
         return VersionSlots(self.state.counts.load, holders, self.capacity)
 
     def resume_version(self, trajectory_id: str) -> int:

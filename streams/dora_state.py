@@ -16,6 +16,7 @@ load counts, for placing work on one version's instances.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -61,8 +62,12 @@ class _Counts:
 
     ``load``: instance -> trajectories placed there and still decoding (``placed``: their ids);
     ``in_flight``: version -> trajectories still decoding; ``holders``: version -> instances holding it
-    (``instance_version``, -1 and ``LOST`` included); ``idle``: version -> those of its holders with no
-    load; ``pos``: trajectory id -> its position in ``trajs`` (dict order)."""
+    (``instance_version``, -1 and ``LOST`` included), ``members``: their indices, ascending; ``idle``:
+    version -> those of its holders with no load; ``pos``: trajectory id -> its position in ``trajs`` (dict
+    order); ``emptied``: instances whose load fell to 0 since the scheduler last cleared it (``None``:
+    unknown, after a recount) — what lets a draining instance switch without a scan of all draining ones;
+    ``epoch``: bumped by every change of who holds what (and of ``DoraState.draining`` as a whole), so a
+    rule can tell that the instances are as it left them."""
 
     def __init__(self, state: DoraState) -> None:
         self.state = state
@@ -70,9 +75,12 @@ class _Counts:
         self.placed: dict[int, set[str]] = {}
         self.in_flight: dict[int, int] = {}
         self.holders: dict[int, int] = {}
+        self.members: dict[int, list[int]] = {}
         self.idle: dict[int, int] = {}
         self.pos: dict[str, int] = {}
         self.next_pos = 0
+        self.emptied: set[int] | None = None
+        self.epoch = 0
 
     @staticmethod
     def _bump(d: dict[int, int], key: int, n: int) -> None:
@@ -85,6 +93,7 @@ class _Counts:
     def recount(self) -> None:
         """Count everything again (``O(trajectories + instances)``)."""
         self.load, self.placed, self.in_flight = {}, {}, {}
+        self.emptied = None
         self.pos = {tid: n for n, tid in enumerate(self.state.trajs)}
         self.next_pos = len(self.pos)
         for tid, t in self.state.trajs.items():
@@ -98,7 +107,11 @@ class _Counts:
     def recount_instances(self) -> None:
         """Count the instances again (``O(instances)``; the load is unchanged)."""
         iv, load = self.state.instance_version, self.load
+        self.epoch += 1
         self.holders = dict(Counter(iv))
+        self.members = {}
+        for i, v in enumerate(iv):
+            self.members.setdefault(v, []).append(i)
         self.idle = dict(Counter(v for i, v in enumerate(iv) if i not in load))
 
     def put(self, t: TrajState) -> None:
@@ -131,13 +144,23 @@ class _Counts:
                 self.placed[i].discard(t._key)
             else:
                 del self.placed[i]
+                if self.emptied is not None:
+                    self.emptied.add(i)
                 iv = self.state.instance_version
                 if i < len(iv):
                     self._bump(self.idle, iv[i], 1)
 
     def hold(self, instance: int, version: int, n: int) -> None:
         """Instance ``instance`` starts (``n`` = 1) or stops (-1) holding ``version``."""
+        self.epoch += 1
         self._bump(self.holders, version, n)
+        members = self.members.setdefault(version, [])
+        if n > 0:
+            bisect.insort(members, instance)
+        else:
+            del members[bisect.bisect_left(members, instance)]
+            if not members:
+                del self.members[version]
         if instance not in self.load:
             self._bump(self.idle, version, n)
 
@@ -294,6 +317,9 @@ class DoraState:
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in ("trajs", "instance_version"):
             object.__setattr__(self, name, value)
+            if name == "draining" and "counts" in self.__dict__:
+                self.counts.emptied = None  # which of them emptied is unknown: the next switch scans them
+                self.counts.epoch += 1
             return
         counts = self.__dict__.get("counts")
         if counts is None:

@@ -8,7 +8,9 @@ instance, oldest first, while instances last; the rest are spread in proportion 
 largest-remainder method, so ``sum(quota) == n`` whenever some version has work.
 
 Assignment (:func:`assign`): instances keep their version while its quota lasts (no needless weight
-load); the free ones take the remaining quotas newest first; any left over hold ``latest``.
+load); the free ones take the remaining quotas newest first; any left over hold ``latest``. It returns
+only the free instances' versions, from each version's holders (``_Counts.members``), so its cost is the
+versions plus the instances it frees, not all instances (``bench/orchestration.py``).
 
 Draining (:func:`drain_moves`): an instance the assignment moves to another version while it still
 decodes trajectories of its own is *held* on its version (``new[i] = current[i]``) and recorded as
@@ -20,7 +22,7 @@ once its last trajectory completes (:func:`drained`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def quotas(pending: Mapping[int, float], n: int) -> dict[int, int]:
@@ -41,44 +43,52 @@ def quotas(pending: Mapping[int, float], n: int) -> dict[int, int]:
     return quota
 
 
-def assign(current: Sequence[int], live: Sequence[int], quota: Mapping[int, int], latest: int,
-           lost: int) -> list[int]:
-    """The version of every instance after a re-partition (``lost`` instances keep the ``lost`` mark;
-    instances not in ``live`` and not lost get -1)."""
-    left = dict(quota)
-    new = [v if v == lost else -1 for v in current]
-    for i in live:  # keep instances on their version while its quota lasts
-        v = current[i]
-        if left.get(v, 0) > 0:
-            new[i] = v
-            left[v] -= 1
-    free = [i for i in live if new[i] < 0]
+def assign(members: Mapping[int, Sequence[int]], quota: Mapping[int, int], latest: int,
+           lost: int) -> dict[int, int]:
+    """The re-partition's moves: ``{instance: its version after it}`` for every *free* instance, ascending;
+    every other live instance keeps its version.
+
+    ``members[v]``: the instances holding ``v``, ascending (``-1``: none yet; ``lost`` ones are never
+    moved). Instances keep their version while its quota lasts, lowest index first; the rest of a
+    version's holders, the unassigned ones and the holders of a version without quota are free; the free
+    ones take the remaining quotas newest first, in ascending order; any left over hold ``latest``.
+    ``O(versions + free log free)``: a re-partition that moves a few instances does not scan the rest.
+    """
+    left: dict[int, int] = {}
+    free: list[int] = []
+    for v, holders in members.items():
+        if v == lost:
+            continue
+        kept = min(quota.get(v, 0), len(holders))
+        free.extend(holders[kept:])
+    for v, q in quota.items():
+        left[v] = q - min(q, len(members.get(v, ())))
+    free.sort()
+    moves: dict[int, int] = {}
     first = 0  # free[first:] are still free
     for v in sorted(left, reverse=True):  # newest first
-        while left[v] > 0 and first < len(free):
-            new[free[first]] = v
-            first += 1
-            left[v] -= 1
+        take = min(left[v], len(free) - first)
+        for i in free[first:first + take]:
+            moves[i] = v
+        first += take
     for i in free[first:]:
-        new[i] = latest
-    return new
+        moves[i] = latest
+    return moves
 
 
-def drain_moves(current: Sequence[int], new: list[int], live: Sequence[int],
-                load: Mapping[int, int]) -> dict[int, int]:
-    """Hold every moved instance that still decodes on its version (``new[i] = current[i]``, in place);
+def drain_moves(current: Sequence[int], moves: dict[int, int], load: Mapping[int, int]) -> dict[int, int]:
+    """Hold every moved instance that still decodes on its version (dropped from ``moves``, in place);
     returns ``{instance: the version it switches to once empty}``."""
-    draining: dict[int, int] = {}
-    for i in live:
-        if current[i] >= 0 and new[i] != current[i] and load.get(i, 0) > 0:
-            draining[i] = new[i]
-            new[i] = current[i]
+    draining = {i: v for i, v in moves.items() if current[i] >= 0 and v != current[i] and load.get(i, 0) > 0}
+    for i in draining:
+        del moves[i]
     return draining
 
 
-def drained(draining: Mapping[int, int], load: Mapping[int, int], live_versions: set[int],
-            latest: int) -> dict[int, int]:
-    """Draining instances that are empty now, with the version each switches to: its target if that is
-    still live, else ``latest``."""
-    return {i: (target if target in live_versions else latest)
-            for i, target in draining.items() if load.get(i, 0) == 0}
+def drained(draining: Mapping[int, int], candidates: Iterable[int], load: Mapping[int, int],
+            live_versions: set[int], latest: int) -> dict[int, int]:
+    """Draining instances among ``candidates`` that are empty now, with the version each switches to: its
+    target if that is still live, else ``latest``. ``candidates``: the draining instances, or any superset
+    of those that emptied since the last call (``_Counts.emptied``: no scan of all draining ones)."""
+    return {i: (draining[i] if draining[i] in live_versions else latest)
+            for i in candidates if i in draining and load.get(i, 0) == 0}

@@ -49,6 +49,36 @@ def test_invariants_hold_under_the_drain_policy(s: int, rbs: int, seed: int) -> 
     assert r.migrations == 0  # nothing is cancelled by a re-partition: instances drain
 
 
+@pytest.mark.parametrize("policy", ["drain", "migrate"])
+def test_a_repartition_that_would_change_nothing_is_skipped_with_the_same_outcome(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The re-partition memo (same newest version, quotas and instances as the last one left them: it
+    decides nothing) changes no decision: a run with it equals, field by field, a run that recomputes
+    every re-partition — and it does skip some."""
+    cfg = _cfg("dora", 2, 96, repartition_policy=policy, num_instances=6, instance_concurrency=12,
+               repartition_s=0.02)
+    params = EmulatedParams(time_scale=0.0, seed=5, cap_fraction=0.1, instance_speed_sigma=0.3)
+    skipped: list[int] = []
+    real = DoraScheduler.repartition
+
+    def counting(self: DoraScheduler[object]) -> list[object]:
+        out = real(self)
+        skipped.append(self.unchanged_repartitions)
+        return out  # type: ignore[return-value]
+
+    monkeypatch.setattr(DoraScheduler, "repartition", counting)
+    memo = simulate(cfg, params)
+
+    def recompute(self: DoraScheduler[object]) -> list[object]:
+        self._unchanged = None
+        return real(self)  # type: ignore[return-value]
+
+    monkeypatch.setattr(DoraScheduler, "repartition", recompute)
+    full = simulate(cfg, params)
+    assert skipped and skipped[-1] > 0, "the memo skipped nothing: the test compares nothing"
+    assert memo == full
+
+
 def test_partial_mode_breaks_c1_by_design() -> None:
     r = simulate(_cfg("partial", 0, 64), EmulatedParams(time_scale=0.0, seed=1))
     assert r.steps == BASE["steps"] and r.mixed_version_trajectories > 0

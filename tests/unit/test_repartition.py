@@ -4,6 +4,8 @@ empty, cancels nothing — and its draining survives a snapshot and restore."""
 
 from __future__ import annotations
 
+import random
+
 from dora_rl.config import DoraConfig
 from dora_rl.streams.dora_policy import DoraScheduler
 from dora_rl.streams.dora_state import LOST
@@ -18,18 +20,77 @@ def test_quotas_cover_every_version_with_work_and_sum_to_n() -> None:
     assert quotas({0: 0.0}, 3) == {}
 
 
+def _members(current: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, v in enumerate(current):
+        out.setdefault(v, []).append(i)
+    return out
+
+
+def _assign_by_scan(current: list[int], quota: dict[int, int], latest: int) -> list[int]:
+    """Rule 5's assignment written as a scan of every instance (the specification ``assign`` must match)."""
+    left = dict(quota)
+    new = [v if v == LOST else -1 for v in current]
+    live = [i for i, v in enumerate(current) if v != LOST]
+    for i in live:
+        if left.get(current[i], 0) > 0:
+            new[i] = current[i]
+            left[current[i]] -= 1
+    free = [i for i in live if new[i] < 0]
+    for v in sorted(left, reverse=True):
+        while left[v] > 0 and free:
+            new[free.pop(0)] = v
+            left[v] -= 1
+    for i in free:
+        new[i] = latest
+    return new
+
+
 def test_assign_keeps_instances_on_their_version() -> None:
-    new = assign([0, 0, 1, LOST, -1], [0, 1, 2, 4], {0: 1, 1: 1, 2: 2}, latest=2, lost=LOST)
-    assert new == [0, 2, 1, LOST, 2]
+    moves = assign(_members([0, 0, 1, LOST, -1]), {0: 1, 1: 1, 2: 2}, latest=2, lost=LOST)
+    assert moves == {1: 2, 4: 2}  # instance 0 keeps 0, 2 keeps 1, the lost one is left alone
+
+
+def test_assign_moves_only_free_instances_and_matches_a_full_scan() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randint(1, 24)
+        latest = rng.randint(0, 4)
+        current = [rng.choice([-1, LOST, *range(latest + 1)]) for _ in range(n)]
+        live = sum(v != LOST for v in current)
+        pending = {v: float(rng.choice([0, 0, 1, 5, 40])) for v in range(max(0, latest - 2), latest + 1)}
+        quota = quotas(pending, live)
+        if not quota:
+            continue
+        moves = assign(_members(current), quota, latest, LOST)
+        expected = _assign_by_scan(current, quota, latest)
+        after = [moves.get(i, v) for i, v in enumerate(current)]
+        assert after == expected, (current, quota)
+        assert list(moves) == sorted(moves) and all(current[i] != LOST for i in moves)
 
 
 def test_drain_holds_only_loaded_movers() -> None:
-    current, new = [0, 0, 1], [0, 2, 2]
-    draining = drain_moves(current, new, [0, 1, 2], {1: 3, 2: 0})
-    assert draining == {1: 2} and new == [0, 0, 2]  # instance 2 is empty: it moves at once
-    assert drained(draining, {1: 1}, {0, 2}, 2) == {}
-    assert drained(draining, {1: 0}, {0, 2}, 2) == {1: 2}
-    assert drained(draining, {}, {0, 3}, 3) == {1: 3}  # its target died meanwhile: the newest
+    current, moves = [0, 0, 1], {1: 2, 2: 2}
+    draining = drain_moves(current, moves, {1: 3, 2: 0})
+    assert draining == {1: 2} and moves == {2: 2}  # instance 2 is empty: it moves at once
+    assert drained(draining, draining, {1: 1}, {0, 2}, 2) == {}
+    assert drained(draining, draining, {1: 0}, {0, 2}, 2) == {1: 2}
+    assert drained(draining, [1, 5], {}, {0, 3}, 3) == {1: 3}  # its target died meanwhile: the newest
+    assert drained(draining, [5], {}, {0, 2}, 2) == {}  # only the candidates are looked at
+
+
+def test_counts_keep_members_and_emptied_in_step() -> None:
+    s = _sched("drain")
+    c = s.state.counts
+    iv = s.state.instance_version
+    for v in set(iv):
+        assert c.members[v] == [i for i, x in enumerate(iv) if x == v]
+    iv[0] = 3
+    assert c.members[3] == [0]
+    c.emptied = set()
+    for tid in list(c.placed.get(1, ())):
+        s.on_completed(tid)
+    assert c.emptied == {1}
 
 
 def _cfg(policy: str) -> DoraConfig:
@@ -78,3 +139,17 @@ def test_drain_cancels_nothing_and_switches_when_empty() -> None:
         assert sent and all(d.version == 1 for d in sent if d.instance == mover)
         assert any(d.instance == mover for d in sent)
     assert s.state.instance_version == restored.state.instance_version
+
+
+def test_a_repeated_repartition_still_moves_a_draining_instance_that_emptied() -> None:
+    s = _sched("drain")
+    for g in range(4, 12):
+        s.add_prompt(f"g{g}", f"prompt {g}")
+    s.on_version(1, 1.0)
+    (mover, _), = s.state.draining.items()
+    for tid in list(s.state.counts.placed.get(mover, ())):
+        s.on_completed(tid)
+    s.repartition()  # called directly (no tick switched it): same quotas, same holders as it left them
+    assert s.unchanged_repartitions == 0 and s.state.draining == {} and s.state.instance_version[mover] == 1
+    s.repartition()
+    assert s.unchanged_repartitions == 1, "nothing changed since: this one decides nothing"
