@@ -17,6 +17,7 @@ of CPU per 1,000), so the default is one seed and 8 steps (4 steady) per run; ``
 Usage::
 
     .venv/bin/python bench/paper_scale.py [--gpus 64 512 1024 2048] [--seeds 0] [--workers 2]
+        [--steps 8] [--policies migrate drain]
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ PER_GPU_TBS = 128
 """Trajectories per step per GPU: the paper's 512 prompts x 16 samples on 64 GPUs."""
 
 
-def layouts(gpus: int) -> list[paper.Setting]:
-    """Each mode's 64-GPU choice, scaled to ``gpus`` (module docstring)."""
+def layouts(gpus: int, policies: tuple[str, ...] = ("migrate", "drain")) -> list[paper.Setting]:
+    """Each mode's 64-GPU choice, scaled to ``gpus`` (module docstring); DORA under each of ``policies``."""
     r = 5 * gpus // 8
     return [paper.Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=256),
             paper.Setting("one_step_off", 1, 2.0, r, gpus - r, max_num_seqs=256),
             paper.Setting("partial", 0, 2.0, r, gpus - r, max_num_seqs=256),
-            paper.Setting("dora", 2, 2.0, r, gpus - r, max_num_seqs=256, repartition="migrate"),
-            paper.Setting("dora", 2, 2.0, r, gpus - r, max_num_seqs=256, repartition="drain")]
+            *(paper.Setting("dora", 2, 2.0, r, gpus - r, max_num_seqs=256, repartition=p) for p in policies)]
 
 
 def summarize(gpus: int, st: paper.Setting, runs: list[dict[str, Any]], bound: dict[str, Any],
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--policies", nargs="+", choices=("migrate", "drain"), default=["migrate", "drain"],
+                    help="DORA's re-partition policies (migrate collapses from 512 GPUs on: decision 0032)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     prov = provenance()
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for gpus in a.gpus:
         t0 = time.perf_counter()
         w = replace(paper.Workload(), tbs=PER_GPU_TBS * gpus, steps=a.steps, warmup=a.steps // 2)
-        sts = layouts(gpus)
+        sts = layouts(gpus, tuple(a.policies))
         runs = paper.run_many([(st, w, eff, seed) for st in sts for seed in a.seeds], a.workers)
         bound = paper.bound(gpus, w, eff)
         out["bounds"][str(gpus)] = bound

@@ -67,6 +67,7 @@ CI_BUDGET_S = 30 * 60
 
 _tier_s: dict[str, float] = defaultdict(float)
 _tier_n: dict[str, int] = defaultdict(int)
+_test_s: dict[str, float] = defaultdict(float)
 _session_start = time.monotonic()
 
 
@@ -77,6 +78,7 @@ def _tier(nodeid: str) -> str:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _tier_s[_tier(report.nodeid)] += report.duration
+    _test_s[report.nodeid] += report.duration
     if report.when == "call":
         _tier_n[_tier(report.nodeid)] += 1
 
@@ -90,3 +92,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         tr.write_line(f"tier {tier}: {_tier_s[tier]:.0f} s ({_tier_n[tier]} tests)")
     tr.write_line(f"pytest wall time {wall:.0f} s of the {CI_BUDGET_S // 60}-minute budget "
                   f"({100 * wall / CI_BUDGET_S:.0f}%; lint is timed by make as 'tier lint')")
+    slowest = sorted(_test_s.items(), key=lambda kv: -kv[1])[:15]
+    tr.write_line("slowest tests (setup + call + teardown):")
+    for nodeid, seconds in slowest:
+        tr.write_line(f"  {seconds:6.0f} s  {nodeid}")
