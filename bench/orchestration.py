@@ -17,11 +17,12 @@ and without heartbeats, as a fraction of ``--step-time-s``; requests in flight (
 consumed: the rules' state; and still decoding); growth between scales. Mode ``dora``, S = 2 (K = 3).
 
 Cost per step (from the code; N instances, R <= RBS unconsumed, T = TBS, K = S + 1, P polls, H
-heartbeats, M migrations, F instances freed by re-partitions, D punctuates that may place work):
-``O(T log N + R log R + D N + F log F + M log M + P K + H)``: an event O(1) (a group's completion O(G)),
-an idle punctuate O(K), a dispatch that may place work O(N) for its version's heap then O(log N) per
-trajectory, a re-partition O(K + the instances it frees + its migrations) — O(K) when it would decide
-nothing — and a batch cut O(R log R). T, R, M, H grow with N.
+heartbeats, M migrations, F instances freed by re-partitions, E re-partitions that move an instance):
+``O((T + M) log N + R log R + E N + F log F + P K + H)``: an event O(1) plus O(log N) when a heap is read
+next (a group's completion O(G)), an idle punctuate O(K), a dispatch O(log N) per trajectory (a
+version's heap is rebuilt, O(N), only after instances change version), a re-partition O(K + the
+instances it frees + its migrations) — O(K) when it would decide nothing — and a batch cut O(R log R).
+T, R, M, H grow with N.
 
 Usage: ``python bench/orchestration.py [--scales 512 2048 8192] [--capacity 16] [--steps 4]
 [--step-time-s 300] [--heartbeat-s 1] [--repartition drain|migrate]``; writes

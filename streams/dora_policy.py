@@ -36,14 +36,15 @@ Cost (what lets one orchestrator drive thousands of instances, ``bench/orchestra
 state keeps counts in step with every change (:mod:`dora_rl.streams.dora_state`: load per
 instance, in-flight work per version, idle instances per version), so a completion, a score or a
 heartbeat is ``O(1)``, a punctuate with nothing to do ``O(S)``, placing a trajectory
-``O(log instances)`` (a heap of the version's instances), a re-partition ``O(versions + the instances
-it frees + the trajectories it moves)`` (each version's holders are kept sorted, so only the tail beyond
-its quota is looked at), and one that would decide nothing — the same newest version, quotas and
-holders as the last one left them, no draining instance emptied since — ``O(versions)``: it is
-skipped, with the same outcome (``tests/unit/test_dora_policy.py``). A draining instance is switched
-when it empties (the counts note who emptied), not found by a scan. No rule scans every trajectory or
-every instance on an event or a poll. The partial-rollout
-baseline reuses these rules (:mod:`dora_rl.streams.partial_policy`).
+``O(log instances)`` (a heap of the version's instances, kept across calls while no instance changes
+version: each load change is pushed into it, so a punctuate does not rebuild it), a re-partition
+``O(versions + the instances it frees + the trajectories it moves)`` (each version's holders are kept
+sorted, so only the tail beyond its quota is looked at), and one that would decide nothing — the same
+newest version, quotas and holders as the last one left them, no draining instance emptied since —
+``O(versions)``: it is skipped, with the same outcome (``tests/unit/test_dora_policy.py``). A
+draining instance is switched when it empties (the counts note who emptied), not found by a scan. No
+rule scans every trajectory or every instance on an event or a poll. The partial-rollout baseline
+reuses these rules (:mod:`dora_rl.streams.partial_policy`).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ from typing import Any, Generic, TypeVar
 
 from dora_rl.config import DoraConfig
 
-from .dora_state import LOST, DoraState, ResumeQueue, TrajState, VersionSlots
+from .dora_state import LOST, DoraState, ResumeQueue, TrajState
 from .membership import Membership
 from .planning import Planner
 from .repartition import assign, drain_moves, drained, quotas
 from .scheduling import Cancel, Dispatch, Migration
+from .slot_heaps import SlotHeaps, VersionSlots
 
 log = logging.getLogger(__name__)
 P = TypeVar("P")
@@ -92,6 +94,7 @@ class DoraScheduler(Generic[P]):
         # (latest, quotas, instances' epoch) as the last re-partition left them: the same again decides nothing
         self._unchanged: tuple[int, dict[int, int], int] | None = None
         self.unchanged_repartitions = 0
+        self._heaps = SlotHeaps()
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -332,10 +335,9 @@ class DoraScheduler(Generic[P]):
 
     def _slots(self, version: int) -> VersionSlots:
         """The instances of ``version`` that take work (draining ones do not), as a heap: the one with the
-        most free slots first, else the least loaded (ties: lowest index)."""
-        draining = self.state.draining
-        holders = [i for i in self.state.counts.members.get(version, ()) if i not in draining]
-        return VersionSlots(self.state.counts.load, holders, self.capacity)
+        most free slots first, else the least loaded (ties: lowest index); kept across calls
+        (:class:`~dora_rl.streams.slot_heaps.SlotHeaps`)."""
+        return self._heaps.get(self.state, version, self.capacity)
 
     def resume_version(self, trajectory_id: str) -> int:
         """Version a migrating trajectory resumes under: its own (C1)."""

@@ -10,14 +10,12 @@ in-flight work per version, holders and idle instances per version, each traject
 ``instance_version`` gives. Every change — a :class:`TrajState` field set, a trajectory set, popped
 or replaced, an instance's version assigned or appended — updates it in ``O(1)``; only a change that
 touches many entries at once (replacing a container, a slice, a sort) counts again. So the rules read
-counts instead of scanning every trajectory or instance. :class:`VersionSlots` is a heap over the live
-load counts, for placing work on one version's instances.
+counts instead of scanning every trajectory or instance (:mod:`.slot_heaps` places work with them).
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +23,10 @@ from typing import Any, ClassVar
 
 LOST = -2
 """``instance_version`` of an instance that stopped heartbeating (``streams/membership.py``)."""
+
+
+TOUCHED_MAX = 1 << 16
+"""Load changes :attr:`_Counts.touched` lists before it gives up (the reader then rebuilds its heaps)."""
 
 
 @dataclass(init=False)
@@ -67,7 +69,9 @@ class _Counts:
     order); ``emptied``: instances whose load fell to 0 since the scheduler last cleared it (``None``:
     unknown, after a recount) — what lets a draining instance switch without a scan of all draining ones;
     ``epoch``: bumped by every change of who holds what (and of ``DoraState.draining`` as a whole), so a
-    rule can tell that the instances are as it left them."""
+    rule can tell that the instances are as it left them; ``touched``: instances whose load changed since
+    the scheduler last read it (``None``: more than :data:`TOUCHED_MAX` changes, or a recount — unknown),
+    so a heap of a version's instances kept across calls learns of every change."""
 
     def __init__(self, state: DoraState) -> None:
         self.state = state
@@ -81,6 +85,7 @@ class _Counts:
         self.next_pos = 0
         self.emptied: set[int] | None = None
         self.epoch = 0
+        self.touched: list[int] | None = []
 
     @staticmethod
     def _bump(d: dict[int, int], key: int, n: int) -> None:
@@ -93,7 +98,7 @@ class _Counts:
     def recount(self) -> None:
         """Count everything again (``O(trajectories + instances)``)."""
         self.load, self.placed, self.in_flight = {}, {}, {}
-        self.emptied = None
+        self.emptied = self.touched = None
         self.pos = {tid: n for n, tid in enumerate(self.state.trajs)}
         self.next_pos = len(self.pos)
         for tid, t in self.state.trajs.items():
@@ -122,6 +127,7 @@ class _Counts:
         in_flight[t.version] = in_flight.get(t.version, 0) + 1  # counts are never negative: never 0 here
         i = t.instance
         if i >= 0:
+            self._touch(i)
             before = self.load.get(i, 0)
             self.load[i] = before + 1
             if before == 0:
@@ -139,6 +145,7 @@ class _Counts:
         self._bump(self.in_flight, t.version, -1)
         i = t.instance
         if i >= 0:
+            self._touch(i)
             self._bump(self.load, i, -1)
             if i in self.load:
                 self.placed[i].discard(t._key)
@@ -149,6 +156,14 @@ class _Counts:
                 iv = self.state.instance_version
                 if i < len(iv):
                     self._bump(self.idle, iv[i], 1)
+
+    def _touch(self, instance: int) -> None:
+        touched = self.touched
+        if touched is not None:
+            if len(touched) < TOUCHED_MAX:
+                touched.append(instance)
+            else:
+                self.touched = None
 
     def hold(self, instance: int, version: int, n: int) -> None:
         """Instance ``instance`` starts (``n`` = 1) or stops (-1) holding ``version``."""
@@ -263,38 +278,6 @@ def _recounting(name: str) -> Any:
 
 for _name in ("__delitem__", "insert", "pop", "remove", "clear", "sort", "reverse", "__imul__"):
     setattr(_Versions, _name, _recounting(_name))
-
-
-class VersionSlots:
-    """The instances holding one version, least loaded first, ties to the lowest index (so the one with the
-    most free slots, ``capacity - load``, comes first): where the scheduler places work. A heap over the
-    live ``load`` counts, kept while
-    one call places work (``changed`` after each placement), so placing ``n`` trajectories costs
-    ``O(n log instances)``."""
-
-    def __init__(self, load: dict[int, int], instances: list[int], capacity: int) -> None:
-        self.load, self.capacity = load, capacity
-        self.heap = [(load.get(i, 0), i) for i in instances]
-        heapq.heapify(self.heap)
-        self.free = sum(max(0, capacity - n) for n, _ in self.heap)  # free slots in all
-        self.seen = {i: n for n, i in self.heap}
-
-    def top(self) -> tuple[int, int] | None:
-        """(load, instance) of the least loaded instance, or None when the version has none."""
-        while self.heap:
-            n, i = self.heap[0]
-            if n == self.load.get(i, 0):
-                return n, i
-            heapq.heappop(self.heap)  # outdated: a newer entry for ``i`` was pushed by ``changed``
-        return None
-
-    def changed(self, instance: int) -> None:
-        """``instance``'s load changed (one of this version's instances)."""
-        n = self.load.get(instance, 0)
-        now_free, was_free = self.capacity - n, self.capacity - self.seen[instance]
-        self.free += (now_free if now_free > 0 else 0) - (was_free if was_free > 0 else 0)
-        self.seen[instance] = n
-        heapq.heappush(self.heap, (n, instance))
 
 
 @dataclass

@@ -50,33 +50,48 @@ def test_invariants_hold_under_the_drain_policy(s: int, rbs: int, seed: int) -> 
 
 
 @pytest.mark.parametrize("policy", ["drain", "migrate"])
-def test_a_repartition_that_would_change_nothing_is_skipped_with_the_same_outcome(
-        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_the_rules_keep_between_calls_changes_no_decision(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-partition memo (same newest version, quotas and instances as the last one left them: it
-    decides nothing) changes no decision: a run with it equals, field by field, a run that recomputes
-    every re-partition — and it does skip some."""
+    decides nothing) and the per-version heaps kept across calls change no decision: a run with them
+    equals, field by field, a run that recomputes every re-partition and rebuilds every heap — and both
+    were used (some re-partitions skipped, some heaps reused)."""
     cfg = _cfg("dora", 2, 96, repartition_policy=policy, num_instances=6, instance_concurrency=12,
                repartition_s=0.02)
     params = EmulatedParams(time_scale=0.0, seed=5, cap_fraction=0.1, instance_speed_sigma=0.3)
     skipped: list[int] = []
-    real = DoraScheduler.repartition
+    last: dict[int, object] = {}
+    reused = [0]
+    repartition, slots = DoraScheduler.repartition, DoraScheduler._slots
 
     def counting(self: DoraScheduler[object]) -> list[object]:
-        out = real(self)
+        out = repartition(self)
         skipped.append(self.unchanged_repartitions)
         return out  # type: ignore[return-value]
 
+    def reusing(self: DoraScheduler[object], version: int) -> object:
+        out = slots(self, version)
+        reused[0] += last.get(version) is out
+        last[version] = out
+        return out
+
     monkeypatch.setattr(DoraScheduler, "repartition", counting)
-    memo = simulate(cfg, params)
+    monkeypatch.setattr(DoraScheduler, "_slots", reusing)
+    kept = simulate(cfg, params)
 
     def recompute(self: DoraScheduler[object]) -> list[object]:
         self._unchanged = None
-        return real(self)  # type: ignore[return-value]
+        return repartition(self)  # type: ignore[return-value]
+
+    def rebuild(self: DoraScheduler[object], version: int) -> object:
+        self._heaps.reset()
+        return slots(self, version)
 
     monkeypatch.setattr(DoraScheduler, "repartition", recompute)
+    monkeypatch.setattr(DoraScheduler, "_slots", rebuild)
     full = simulate(cfg, params)
     assert skipped and skipped[-1] > 0, "the memo skipped nothing: the test compares nothing"
-    assert memo == full
+    assert reused[0] > 0, "the heaps were rebuilt every time: the test compares nothing"
+    assert kept == full
 
 
 def test_partial_mode_breaks_c1_by_design() -> None:
