@@ -56,6 +56,19 @@ def claimed_indices(bootstrap: str, run_id: str) -> dict[str, int]:
     return {name: i for i, name in own.items() if name}
 
 
+def last_in_flight(bootstrap: str, run_id: str, index: int) -> int:
+    """Trajectories instance ``index`` reported decoding in its latest heartbeat (0 before it sent one)."""
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.schemas.records import InstanceStatus
+
+    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.INSTANCES}
+    recs = [InstanceStatus.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.INSTANCES, start)]
+    mine = [s for s in recs if s.run_id == run_id and int(s.instance_index) == index]
+    return int(mine[-1].in_flight) if mine else 0
+
+
 def run_state(bootstrap: str, run_id: str) -> str:
     from dora_rl.infra.runs import get_run
 
