@@ -240,7 +240,7 @@ class DoraScheduler(Generic[P]):
         headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
         pending[latest] = pending.get(latest, 0.0) + headroom
         counts = self.state.counts
-        quota = quotas(pending, len(self.state.instance_version) - counts.holders.get(LOST, 0))
+        quota = quotas(pending, len(self.state.instance_version) - len(counts.members.get(LOST, ())))
         if not quota:
             return []
         same = (latest, quota, counts.epoch)
@@ -278,9 +278,9 @@ class DoraScheduler(Generic[P]):
         instance of another version sits idle. ``O(versions)`` from the state's counts."""
         c = self.state.counts
         idle_live = sum(n for v, n in c.idle.items() if v != LOST)
-        return any(c.in_flight.get(v, 0) > self.capacity * holders and idle_live - (c.idle.get(v, 0) if v != LOST
+        return any(c.in_flight.get(v, 0) > self.capacity * len(holders) and idle_live - (c.idle.get(v, 0) if v != LOST
                                                                                      else 0) > 0
-                   for v, holders in c.holders.items())
+                   for v, holders in c.members.items())
 
     def tick(self, now: float) -> None:
         """Lose silent instances (rule 6); re-partition on a timer (every ``repartition_s``), under load
@@ -381,7 +381,7 @@ class DoraScheduler(Generic[P]):
             return out
         if self.unconsumed() + self.G > self.rbs or st.dispatched + self.G > self.steps * self.tbs:
             return out  # rule 3 refuses every version: nothing to place
-        versions = sorted((v for v in st.counts.holders if v >= 0), reverse=True)  # newest first
+        versions = sorted((v for v in st.counts.members if v >= 0), reverse=True)  # newest first
         for version in versions:
             slots: VersionSlots | None = None
             while self._prompts and self.feasible(version, self.G):

@@ -63,8 +63,8 @@ class _Counts:
     ``O(1)`` instead of scanning every trajectory (``O(unconsumed)``) or instance.
 
     ``load``: instance -> trajectories placed there and still decoding (``placed``: their ids);
-    ``in_flight``: version -> trajectories still decoding; ``holders``: version -> instances holding it
-    (``instance_version``, -1 and ``LOST`` included), ``members``: their indices, ascending; ``idle``:
+    ``in_flight``: version -> trajectories still decoding; ``members``: version -> the instances holding
+    it, ascending (``instance_version``, -1 and ``LOST`` included; their number is ``len``); ``idle``:
     version -> those of its holders with no load; ``pos``: trajectory id -> its position in ``trajs`` (dict
     order); ``emptied``: instances whose load fell to 0 since the scheduler last cleared it (``None``:
     unknown, after a recount) — what lets a draining instance switch without a scan of all draining ones;
@@ -78,7 +78,6 @@ class _Counts:
         self.load: dict[int, int] = {}
         self.placed: dict[int, set[str]] = {}
         self.in_flight: dict[int, int] = {}
-        self.holders: dict[int, int] = {}
         self.members: dict[int, list[int]] = {}
         self.idle: dict[int, int] = {}
         self.pos: dict[str, int] = {}
@@ -113,7 +112,6 @@ class _Counts:
         """Count the instances again (``O(instances)``; the load is unchanged)."""
         iv, load = self.state.instance_version, self.load
         self.epoch += 1
-        self.holders = dict(Counter(iv))
         self.members = {}
         for i, v in enumerate(iv):
             self.members.setdefault(v, []).append(i)
@@ -168,7 +166,6 @@ class _Counts:
     def hold(self, instance: int, version: int, n: int) -> None:
         """Instance ``instance`` starts (``n`` = 1) or stops (-1) holding ``version``."""
         self.epoch += 1
-        self._bump(self.holders, version, n)
         members = self.members.setdefault(version, [])
         if n > 0:
             bisect.insort(members, instance)
