@@ -89,7 +89,8 @@ class BatchAssembler:
         self._complete: dict[str, _Group] = {}
         self._seen: set[str] = set()
         self._seq = 0
-        self._stale_checked: tuple[int, int] | None = None  # (next_step, _seq) of the last check that found none
+        self._stale_checked: tuple[int, int] | None = None  # (next_step, _seq) of the last over-stale check
+        self._completed_since_check: list[str] = []  # groups completed since then, in completion order
         self._plans: dict[int, tuple[str, ...]] = {}
         self._by_id: dict[str, HasVersion] = {}
         self.require_plans = require_plans
@@ -115,6 +116,7 @@ class BatchAssembler:
             group.completed_seq = self._seq
             self._seq += 1
             self._complete[trajectory.group_id] = self._groups.pop(trajectory.group_id)
+            self._completed_since_check.append(trajectory.group_id)
         return True
 
     def mark_seen(self, trajectories: Iterable[HasVersion]) -> None:
@@ -144,15 +146,25 @@ class BatchAssembler:
         return out
 
     def refuse_over_stale(self) -> list[HasVersion]:
-        """Remove and return complete groups that are over-stale for ``next_step`` (C3 gate)."""
-        key = (self.next_step, self._seq)  # only a new step or a newly complete group can add one
+        """Remove and return complete groups that are over-stale for ``next_step`` (C3 gate).
+
+        Incremental, O(groups completed since the last check) within a step: a check leaves no over-stale
+        group behind, a complete group's oldest version only rises (a cut removes members, never adds), so
+        until ``next_step`` moves only the groups completed since can be over-stale; a new step (or a
+        restore) checks every complete group. Refused in completion order, as a full scan would."""
+        key = (self.next_step, self._seq)
         if key == self._stale_checked:
             return []
+        if self._stale_checked is not None and self._stale_checked[0] == self.next_step:
+            candidates = [g for g in self._completed_since_check if g in self._complete]
+        else:
+            candidates = list(self._complete)
+        self._completed_since_check.clear()
         refused: list[HasVersion] = []
-        for gid in [g for g, grp in self._complete.items()
-                    if self.next_step > self.bound.deadline(grp.min_version())]:
-            refused.extend(self._complete.pop(gid).members.values())
-        self._stale_checked = None if refused else key
+        for gid in candidates:
+            if self.next_step > self.bound.deadline(self._complete[gid].min_version()):
+                refused.extend(self._complete.pop(gid).members.values())
+        self._stale_checked = key
         return refused
 
     def drop_expired_unplanned(self) -> list[HasVersion]:

@@ -82,6 +82,33 @@ def test_over_stale_memo_refuses_once_the_step_passes_the_deadline() -> None:
     assert sorted(t.trajectory_id for t in asm.refuse_over_stale()) == ["new/0", "new/1"]
 
 
+def test_incremental_over_stale_check_refuses_what_a_full_scan_refuses_in_the_same_order() -> None:
+    """Random adds, plans, cuts and step moves: each call refuses exactly the complete groups over-stale
+    at that moment (a scan of every complete group, the rule as stated), in completion order."""
+    rng = random.Random(7)
+    for trial in range(200):
+        s, g = rng.randint(0, 2), rng.choice((2, 3))
+        asm = BatchAssembler(train_batch_size=g * 2, group_size=g, max_staleness=s, require_plans=True)
+        for i in range(120):
+            op = rng.random()
+            if op < 0.7:  # a trajectory of a random group and a version near the step
+                gid = f"t{trial}g{rng.randint(0, 30)}"
+                v = max(0, asm.next_step - rng.randint(0, s + 2))
+                t = _T(f"{gid}/{i}", gid, v)
+                asm.add(t)
+            elif op < 0.85:
+                asm.next_step += 1
+            else:  # a cut of part of a complete group (min version can only rise)
+                for grp in [x for x in asm._complete.values() if len(x.members) > 1][:1]:
+                    tid = next(iter(grp.members))
+                    grp.members.pop(tid)
+                    grp.cached_min = None
+            expect = [t.trajectory_id for grp in asm._complete.values()
+                      if asm.next_step > asm.bound.deadline(min(int(m.policy_version) for m in grp.members.values()))
+                      for t in grp.members.values()]
+            assert [t.trajectory_id for t in asm.refuse_over_stale()] == expect, (trial, i)
+
+
 def test_paper_report_verdicts_follow_the_15_percent_rule() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import paper_report
