@@ -11,8 +11,9 @@ instances per version, more cap-length responses per batch).
 
 Per run: step time and throughput over the steady steps (:func:`paper.figures`), the fraction of the
 bubble-free bound at that size (:func:`paper.bound`, formula in ``bench/paper.py``) and what holds each
-mode back (:func:`paper.held_back_by`). Simulation cost grows with the trajectories simulated (about 0.15 s
-of CPU per 1,000), so the default is one seed and 8 steps (4 steady) per run; ``--seeds`` adds more.
+mode back (:func:`paper.held_back_by`). Simulation cost grows linearly with the trajectories simulated
+(since decision 0035; a DORA run at 512 GPUs, 6 steps: 0.38 s per 1,000 with a second simulation running
+beside it on 2 cores), so the default is one seed and 8 steps (4 steady) per run; ``--seeds`` adds more.
 
 Usage::
 
