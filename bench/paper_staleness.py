@@ -54,7 +54,6 @@ def main() -> int:
     prov = provenance()
     w, eff = paper.Workload(), replace(paper.Efficiencies(), train_mfu=TRAIN_MFU)
     bound = paper.bound(GPUS, w, eff)
-    b = bound["tokens_per_s"]
 
     def dora(s: int, rbs: float, pol: str) -> paper.Setting:
         return paper.Setting("dora", s, rbs, ROLLOUT, GPUS - ROLLOUT, max_num_seqs=SEQS, repartition=pol)
@@ -80,7 +79,7 @@ def main() -> int:
                            "train_mfu": TRAIN_MFU, "seeds": a.seeds, "rbs_sweep": list(RBS_SWEEP), "sweep": sweep,
                            "best_rbs": {str(s): best[s].rbs_factor for s in best}, "bound": bound, "settings": {}}
     for i, st in enumerate(settings):
-        row = _summary(st, runs[i * n:(i + 1) * n], sync_step, b)
+        row = _summary(st, runs[i * n:(i + 1) * n], sync_step, bound["tokens_per_s"])
         out["settings"][st.name] = row
         print(f"{st.name:50s} step {row['step_time_s']['mean']:7.1f}s  vs sync {row['vs_sync']['mean']:5.2f}x "
               f"[{row['vs_sync']['min']:.2f}-{row['vs_sync']['max']:.2f}]  bound {row['fraction_of_bound']:.2f}  "

@@ -151,19 +151,19 @@ def read_backwards(bootstrap: str, topic: str, partition: int = 0, stop_at: int 
     Each window is read by a consumer of its own (see :func:`read_range`: a consumer re-assigned to an
     older range of the same partition can skip it)."""
     tp = TopicPartition(topic, partition)
-    consumer: Consumer | None = Consumer(reader_config(bootstrap, f"dora-backwards-{now_ms()}"))
+    first = Consumer(reader_config(bootstrap, f"dora-backwards-{now_ms()}"))
+    consumer: Consumer | None = first
     try:
-        assert consumer is not None
-        low, end = watermarks(consumer, tp, timeout)
+        low, end = watermarks(first, tp, timeout)
         low = max(low, stop_at)
         while end > low:
             start = max(low, end - window)
-            if consumer is None:
-                consumer = Consumer(reader_config(bootstrap, f"dora-backwards-{now_ms()}"))
-            yield read_range(consumer, tp, start, end, timeout)
-            end = start
+            consumer = consumer or Consumer(reader_config(bootstrap, f"dora-backwards-{now_ms()}"))
+            msgs = read_range(consumer, tp, start, end, timeout)
             consumer.close()
-            consumer = None
+            consumer = None  # the next, older window needs a consumer that has not read tp
+            yield msgs
+            end = start
     finally:
         if consumer is not None:
             consumer.close()

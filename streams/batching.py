@@ -91,6 +91,7 @@ class BatchAssembler:
         self._seq = 0
         self._stale_checked: tuple[int, int] | None = None  # (next_step, _seq) of the last over-stale check
         self._completed_since_check: list[str] = []  # groups completed since then, in completion order
+        # (kept only once a check was made: the planned assembler never checks, and must not accumulate ids)
         self._plans: dict[int, tuple[str, ...]] = {}
         self._by_id: dict[str, HasVersion] = {}
         self.require_plans = require_plans
@@ -116,7 +117,8 @@ class BatchAssembler:
             group.completed_seq = self._seq
             self._seq += 1
             self._complete[trajectory.group_id] = self._groups.pop(trajectory.group_id)
-            self._completed_since_check.append(trajectory.group_id)
+            if self._stale_checked is not None:  # before any check, the first one scans every group anyway
+                self._completed_since_check.append(trajectory.group_id)
         return True
 
     def mark_seen(self, trajectories: Iterable[HasVersion]) -> None:
