@@ -39,8 +39,8 @@ def test_a_fresh_start_does_not_read_before_its_run(bootstrap: str) -> None:
 
 
 def test_reading_backwards_yields_every_record_once_in_every_window(bootstrap: str) -> None:
-    """``read_backwards`` re-assigns one consumer to each older window; every window must hold exactly
-    its records. A window skipped (a position left from the previous, newer window read as "done") made a
+    """Every window of ``read_backwards`` must hold exactly its records. When one consumer was re-assigned
+    to each older window, a window was skipped (a position left from the newer window read as "done"); that made a
     restarted assembler restore an older snapshot than its committed offsets: it waited for trajectories it
     had already consumed, and the run stalled (bench/chaos.py --steps 100, decision 0036)."""
     from confluent_kafka import Producer
