@@ -12,18 +12,24 @@ the path is the scorer and the assembler alone.
 Workload: TBS trajectories a step in whole groups of G, responses of U[64, 512] tokens, 64 prompt tokens, task
 ``reverse``, version ``k`` in step ``k``; produced step after step at each of ``--rates`` trajectories/s (0: as
 fast as the producer goes, i.e. the saturated throughput, whose latency is mostly backlog), after ``--warmup``
-unmeasured steps.
+unmeasured steps produced at the same rate (a broker in a run lives for hours: its JIT has compiled the paths that
+load takes; 160 steps at 2,100/s is ~20 s). The default rate is 2,100/s so that the carried throughput, whose window
+includes the last batch's latency, can show 2,000/s. Each phase runs ``--repeats`` times (the tail moves between
+runs on 2 shared cores), on a fresh local broker per ``--broker-jit`` setting (``JIT``: the shipped JVM options, or
+with C2 back on), the settings back to back in one invocation.
 
 Formulas, on the bench's monotonic clock: ``ack(t)`` = the producer's delivery report of trajectory t (acks=all);
 ``seen(x)`` = when a read_committed consumer in the bench gets x (its commit, plus one fetch).
   throughput = measured trajectories / (seen(last batch) - first ack)   (one scorer and one assembler process)
   latency(k) = seen(batch k) - max ack over batch k;   fill(k) = max ack - min ack over batch k (reported apart)
   hops: scorer = seen(last scored of k) - max ack; planner = plan committed - that; assembler = the rest
-CPU per process (psutil, user+system over the measured window; the scorer's reward workers apart) and the
-machine's 1-minute load average before and after each phase (other work on the machine shows there).
+CPU per process (psutil, user+system over the measured window; the scorer's reward workers apart), the broker's
+per thread group (``/proc``: JIT compilers, request handlers, coordinators...), and the machine's 1-minute load
+average before and after each phase (other work on the machine shows there).
 
-Usage: ``python bench/pipeline.py [--rates 2000,0] [--plans scored,ahead] [--steps 40] [--tbs 256] [--group 8]
-[--baseline OTHER_CHECKOUT] [--profile DIR]``; writes ``bench/results/pipeline-<UTC timestamp>.json`` and ``.png``.
+Usage: ``python bench/pipeline.py [--rates 2100,0] [--plans scored,ahead] [--steps 40] [--warmup 160] [--repeats 3]
+[--broker-jit tiered,shipped] [--tbs 256] [--group 8] [--baseline OTHER_CHECKOUT] [--profile DIR]``;
+writes ``bench/results/pipeline-<UTC timestamp>.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -47,6 +54,8 @@ import psutil
 from confluent_kafka import Consumer, TopicPartition
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: JIT settings of the local broker compared with ``--broker-jit`` (HotSpot: a later flag wins over the shipped one).
+JIT = {"shipped": (), "c1": ("-XX:TieredStopAtLevel=1",), "tiered": ("-XX:TieredStopAtLevel=4",)}
 Wire = tuple[bytes, bytes, list[tuple[str, str | bytes | None]], int]  # value, key, headers, partition
 
 
@@ -130,6 +139,22 @@ def cpu_s(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return {name: sum(sum(p.cpu_times()[:2]) for p in ps) for name, ps in procs.items()}
 
 
+def thread_cpu_s(pid: int | None) -> dict[str, float]:
+    """User+system CPU seconds so far of each thread group of process ``pid`` (names from ``/proc``, trailing
+    digits dropped: the JVM's JIT compilers, GC, request handlers, network threads... apart)."""
+    out: dict[str, float] = {}
+    if pid is None:
+        return out
+    for t in psutil.Process(pid).threads():
+        try:
+            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = re.sub(r"[-_ ]*\d+[-_\d]*$", "", name) or "?"
+        out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+    return out
+
+
 def start_roles(bootstrap: str, run: str, tag: str, logs: Path, args: argparse.Namespace,
                 code: str | None) -> dict[str, subprocess.Popen[bytes]]:
     """``dora-rl scorer`` and ``dora-rl assembler`` of ``run`` (under cProfile with ``--profile``; importing
@@ -206,16 +231,21 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
         return True
 
     try:
+        tw, n = time.monotonic(), 0  # warm-up at the measured rate: the JVM compiles the paths that rate takes
         for k in range(args.warmup):
             for i, w in enumerate(steps[k]):
+                if rate > 0 and (left := tw + n / rate - time.monotonic()) > 0:
+                    time.sleep(left)
                 produce(k, i, w)
+                producer.raw.poll(0)
+                n += 1
         if not wait_batches(range(args.warmup), 180):
             raise RuntimeError(f"warm-up batches never committed; role logs in {logs}")
         scorer = psutil.Process(roles["scorer"].pid)
         procs = {"scorer": [scorer], "assembler": [psutil.Process(roles["assembler"].pid)],
                  "reward_workers": scorer.children(recursive=True),
                  "broker": [psutil.Process(broker_pid)] if broker_pid else [], "bench": [psutil.Process()]}
-        cpu0, t0, n = cpu_s(procs), time.monotonic(), 0
+        cpu0, threads0, t0, n = cpu_s(procs), thread_cpu_s(broker_pid), time.monotonic(), 0
         for k in range(args.warmup, total):
             for i, w in enumerate(steps[k]):
                 if rate > 0 and (left := t0 + n / rate - time.monotonic()) > 0:
@@ -226,7 +256,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
         t_produced = time.monotonic()
         producer.flush(60)
         ok = wait_batches(range(args.warmup, total), 120)
-        cpu1 = cpu_s(procs)
+        cpu1, threads1 = cpu_s(procs), thread_cpu_s(broker_pid)
     finally:
         for p in roles.values():
             p.terminate()
@@ -262,7 +292,10 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
             "hops_ms": {name: {"p50": pct(xs, 50), "p99": pct(xs, 99)} for name, xs in hops.items() if xs},
             "latency_per_batch_ms": [x * 1000 for x in lat],
             "cpu": {name: {"cpu_s": s, "cores": s / window if window else 0.0, "ms_per_1k_traj": 1e6 * s / n_traj}
-                    for name, s in used.items()}}
+                    for name, s in used.items()},
+            "broker_threads_cores": dict(sorted(((name, (s - threads0.get(name, 0.0)) / window if window else 0.0)
+                                                 for name, s in threads1.items() if s - threads0.get(name, 0.0) > 0),
+                                                key=lambda kv: -kv[1]))}
 
 
 def plot(out: dict[str, Any], path: Path, title: str) -> None:
@@ -271,25 +304,28 @@ def plot(out: dict[str, Any], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5))
-    for r in out["phases"]:
-        cores = ", ".join(f"{p} {c['cores']:.2f}" for p, c in r["cpu"].items())
-        ax.plot(r["latency_per_batch_ms"], marker=".", label=f"{r['plans']} @{r['rate_target']:g}/s "
-                f"({r['roles_from']}): {r['throughput_traj_s']:.0f} traj/s; cores {cores}")
-    ax.axhline(200, color="grey", ls="--", lw=1)
-    ax.set(title=title, xlabel="measured batch", ylabel="ms, last trajectory acked -> its batch committed",
-           yscale="log")
-    ax.legend(fontsize=6)
+    jits = list(dict.fromkeys(r.get("broker_jit", "shipped") for r in out["phases"]))
+    fig, axes = plt.subplots(len(jits), 1, figsize=(11, 4.5 * len(jits)), squeeze=False, sharey=True)
+    for ax, jit in zip(axes[:, 0], jits, strict=True):
+        for r in (r for r in out["phases"] if r.get("broker_jit", "shipped") == jit):
+            cores = ", ".join(f"{p} {c['cores']:.2f}" for p, c in r["cpu"].items())
+            ax.plot(r["latency_per_batch_ms"], marker=".", label=f"{r['plans']} @{r['rate_target']:g}/s "
+                    f"#{r.get('repeat', 0)} ({r['roles_from']}): {r['throughput_traj_s']:.0f} traj/s; cores {cores}")
+        ax.axhline(200, color="grey", ls="--", lw=1)
+        ax.set(title=f"{title}; broker JIT: {jit}", xlabel="measured batch",
+               ylabel="ms, last trajectory acked -> batch committed", yscale="log")
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rates", default="2000,0", help="trajectories/s to produce at, comma-separated; 0 = unpaced")
+    ap.add_argument("--rates", default="2100,0", help="trajectories/s to produce at, comma-separated; 0 = unpaced")
     ap.add_argument("--plans", default="scored,ahead", help="scored (the orchestrator's order) and/or ahead")
     ap.add_argument("--steps", type=int, default=40, help="measured steps per phase")
-    ap.add_argument("--warmup", type=int, default=8, help="unmeasured steps first (JIT, caches, connections)")
+    ap.add_argument("--warmup", type=int, default=160, help="unmeasured steps first, at the phase's rate (JIT, caches, "
+                    "connections)")
     ap.add_argument("--tbs", type=int, default=256)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--partitions", type=int, default=4)
@@ -299,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
                     "first with the roles importing dora_rl from there, then with this tree's, back to back")
     ap.add_argument("--profile", default=None, help="a directory: run the roles under cProfile, .prof files there")
     ap.add_argument("--role-log-level", default="INFO", help="DEBUG: the roles log every commit's duration")
+    ap.add_argument("--repeats", type=int, default=3, help="each phase this many times (the tail moves between runs)")
+    ap.add_argument("--broker-jit", default="tiered,shipped", help=f"comma-separated, of {sorted(JIT)}: each gets "
+                    "a fresh local broker with the shipped JVM options plus these, the phases run on each in turn")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from provenance import provenance
 
-    from dora_rl.infra.broker import LocalBroker
+    from dora_rl.infra.broker import BROKER_JVM_OPTS, LocalBroker
     from dora_rl.infra.kafka_dist import dora_home
     from dora_rl.launcher import prepare_topics
 
@@ -319,30 +358,36 @@ def main(argv: list[str] | None = None) -> int:
                            "workload": f"TBS {args.tbs}, G {args.group}, responses U[64,512] tokens, 64 prompt tokens, "
                                        f"{args.partitions} partitions, replication 1, acks=all", "cpus": os.cpu_count(),
                            "phases": []}
-    broker = None if args.bootstrap_servers else LocalBroker(root / "broker", port=0).start()
-    bootstrap = args.bootstrap_servers or (broker.bootstrap_servers if broker else "")
-    try:
-        prepare_topics(bootstrap, args.partitions)
-        codes = [args.baseline, None] if args.baseline else [None]
-        for plans in args.plans.split(","):
-            for rate, code in ((float(r), c) for r in args.rates.split(",") for c in codes):
-                print(f"== plans {plans}, rate {rate:g}/s, roles from {code or 'this tree'}", file=sys.stderr)
-                load = os.getloadavg()[0]
-                r = {**phase(bootstrap, broker.pid if broker else None, args, rate, plans, logs, code),
-                     "loadavg_1m": [load, os.getloadavg()[0]]}
-                out["phases"].append(r)
-                print(f"   {r['throughput_traj_s']:6.0f} traj/s (produced {r['produce_rate']:.0f}/s)  latency p50 "
-                      f"{r['latency_ms']['p50']:.0f} p99 {r['latency_ms']['p99']:.0f} ms (fill p50 "
-                      f"{r['fill_ms']['p50']:.0f})  hops p50/p99 "
-                      + " ".join(f"{h} {v['p50']:.0f}/{v['p99']:.0f}" for h, v in r["hops_ms"].items())
-                      + "  cores " + " ".join(f"{p} {c['cores']:.2f}" for p, c in r["cpu"].items())
-                      + f"  load {r['loadavg_1m'][0]:.1f}-{r['loadavg_1m'][1]:.1f}  verified {r['verified']}",
-                      file=sys.stderr, flush=True)
-    finally:
-        if broker is not None:
-            broker.stop()
-            shutil.rmtree(root / "broker", ignore_errors=True)
-        shutil.rmtree(root / "home", ignore_errors=True)
+    for jit in args.broker_jit.split(",") if not args.bootstrap_servers else ["(an existing cluster)"]:
+        broker = None if args.bootstrap_servers else LocalBroker(root / f"broker-{jit}", port=0,
+                                                                 jvm_opts=(*BROKER_JVM_OPTS, *JIT[jit])).start()
+        bootstrap = args.bootstrap_servers or (broker.bootstrap_servers if broker else "")
+        try:
+            prepare_topics(bootstrap, args.partitions)
+            codes = [args.baseline, None] if args.baseline else [None]
+            for plans in args.plans.split(","):
+                for rate, code, rep in ((float(r), c, i) for r in args.rates.split(",") for c in codes
+                                        for i in range(args.repeats)):
+                    print(f"== broker JIT {jit}, plans {plans}, rate {rate:g}/s, roles from {code or 'this tree'}, "
+                          f"repeat {rep}", file=sys.stderr)
+                    load = os.getloadavg()[0]
+                    r = {"broker_jit": jit, "broker_jvm_opts": list(JIT.get(jit, ())), "repeat": rep,
+                         **phase(bootstrap, broker.pid if broker else None, args, rate, plans, logs, code),
+                         "loadavg_1m": [load, os.getloadavg()[0]]}
+                    out["phases"].append(r)
+                    print(f"   {r['throughput_traj_s']:6.0f} traj/s (produced {r['produce_rate']:.0f}/s)  latency p50 "
+                          f"{r['latency_ms']['p50']:.0f} p99 {r['latency_ms']['p99']:.0f} ms (fill p50 "
+                          f"{r['fill_ms']['p50']:.0f})  hops p50/p99 "
+                          + " ".join(f"{h} {v['p50']:.0f}/{v['p99']:.0f}" for h, v in r["hops_ms"].items())
+                          + "  cores " + " ".join(f"{p} {c['cores']:.2f}" for p, c in r["cpu"].items())
+                          + f" (JIT {sum(v for k, v in r['broker_threads_cores'].items() if 'Compiler' in k):.2f})"
+                          + f"  load {r['loadavg_1m'][0]:.1f}-{r['loadavg_1m'][1]:.1f}  verified {r['verified']}",
+                          file=sys.stderr, flush=True)
+        finally:
+            if broker is not None:
+                broker.stop()
+                shutil.rmtree(root / f"broker-{jit}", ignore_errors=True)
+    shutil.rmtree(root / "home", ignore_errors=True)
     path = Path(args.out) if args.out else RESULTS / f"pipeline-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -49,7 +49,9 @@ from .kafka_dist import (
 from .kafka_security import PLAINTEXT, ClientSecurity, write_private
 
 __all__ = [
+    "BROKER_JVM_OPTS",
     "DEFAULT_KAFKA_VERSION",
+    "JVM_OPTS_ENV",
     "KAFKA_TOOLS",
     "BrokerError",
     "BrokerSecurity",
@@ -69,7 +71,14 @@ DEFAULT_PORT = 19092
 BOOTSTRAP_ENV = "DORA_BOOTSTRAP_SERVERS"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: SerialGC reaches "ready" ~1 s sooner than G1 on 2 cores (3.7 s vs 4.7 s) and runs no concurrent GC threads.
-BROKER_JVM_OPTS = ("-XX:+UseSerialGC", "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true")
+#: ``TieredStopAtLevel=1`` (C1 only): with C2 on, a fresh broker's C2 compiler thread took 0.4-0.5 of the 2 cores
+#: for its first minute under load, beside the roles it serves, and the pipeline's p99 tripled (decision 0038,
+#: ``bench/pipeline.py --broker-jit tiered,shipped``). A broker on a many-core host may do better with C2:
+#: ``DORA_BROKER_JVM_OPTS=-XX:TieredStopAtLevel=4`` (later flags win).
+BROKER_JVM_OPTS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-XX:+ExitOnOutOfMemoryError",
+                   "-Djava.awt.headless=true")
+JVM_OPTS_ENV = "DORA_BROKER_JVM_OPTS"
+"""Extra JVM options for every broker this module starts, appended after ``jvm_opts`` (whitespace-separated)."""
 STATE_FILE, PID_FILE, LOG_FILE = "broker.json", "broker.pid", "broker.log"
 SCRAM_MARKER = "scram-admin.formatted"
 """Written after a secured format: the storage's metadata holds the admin's SCRAM credential."""
@@ -301,7 +310,7 @@ class LocalBroker:
         lib = ensure_kafka_jars(self.version, self.cache_dir)
         if self.log_file.exists():
             self.log_file.replace(self.log_file.with_name(LOG_FILE + ".1"))
-        jvm = ["-Xms256m", f"-Xmx{self.heap}", *self.jvm_opts]
+        jvm = ["-Xms256m", f"-Xmx{self.heap}", *self.jvm_opts, *os.environ.get(JVM_OPTS_ENV, "").split()]
         if self.security is not None:  # SASL looks up peers' names: never wait on DNS (see jvm_hosts_file)
             hosts_file = self.secrets.jvm_hosts_file(self.data_dir / "jvm.hosts", self.security.hosts)
             jvm.append(f"-Djdk.net.hosts.file={hosts_file}")

@@ -18,6 +18,7 @@ from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from dora_rl.infra.broker import (
+    JVM_OPTS_ENV,
     LocalBroker,
     LocalCluster,
     broker_status,
@@ -223,9 +224,14 @@ def test_console_consumer_reads_python_records(broker: LocalBroker) -> None:
     assert topic in listed.stdout.split()
 
 
-def test_restart_keeps_data(tmp_path: Path) -> None:
+def jvm_args(pid: int | None) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_restart_keeps_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     b = LocalBroker(tmp_path / "broker", port=0).start()
     try:
+        assert "-XX:TieredStopAtLevel=1" in jvm_args(b.pid)  # the shipped JIT setting (decision 0038)
         bs = b.bootstrap_servers
         topic = new_topic(bs, partitions=2)
         p = Producer({"bootstrap.servers": bs})
@@ -235,8 +241,12 @@ def test_restart_keeps_data(tmp_path: Path) -> None:
         cluster_id, pid = b.cluster_id, b.pid
         assert stop_broker(b.data_dir) and not b.is_running()
         assert not broker_status(b.data_dir)["running"]
+        monkeypatch.setenv(JVM_OPTS_ENV, "-XX:TieredStopAtLevel=4 -Ddora.test=restarted")
         b.start()  # same object, same ports; storage is not formatted again
         assert b.is_running() and b.pid != pid and b.cluster_id == cluster_id
+        args = jvm_args(b.pid)  # the user's options come after the shipped ones, so they win
+        assert args.index("-XX:TieredStopAtLevel=4") > args.index("-XX:TieredStopAtLevel=1")
+        assert "-Ddora.test=restarted" in args
         got = consume(b.bootstrap_servers, topic, 30)
         assert sorted(k for k, _ in got) == sorted(f"k{i}" for i in range(30))
     finally:
