@@ -298,6 +298,40 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
                                                 key=lambda kv: -kv[1]))}
 
 
+def jit_cores(r: dict[str, Any]) -> float:
+    """Cores the broker's JIT compiler threads used over a phase's measured window."""
+    return sum(v for k, v in r["broker_threads_cores"].items() if "Compiler" in k)
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"   {r['throughput_traj_s']:6.0f} traj/s (produced {r['produce_rate']:.0f}/s)  latency p50 "
+          f"{r['latency_ms']['p50']:.0f} p99 {r['latency_ms']['p99']:.0f} ms (fill p50 {r['fill_ms']['p50']:.0f})  "
+          "hops p50/p99 " + " ".join(f"{h} {v['p50']:.0f}/{v['p99']:.0f}" for h, v in r["hops_ms"].items())
+          + "  cores " + " ".join(f"{p} {c['cores']:.2f}" for p, c in r["cpu"].items()) + f" (JIT {jit_cores(r):.2f})"
+          + f"  load {r['loadavg_1m'][0]:.1f}-{r['loadavg_1m'][1]:.1f}  verified {r['verified']}",
+          file=sys.stderr, flush=True)
+
+
+def warm_broker(bootstrap: str, pid: int, args: argparse.Namespace, jit: str, logs: Path) -> list[dict[str, Any]]:
+    """Unmeasured phases (the first paced rate, plans after scoring) on a fresh broker until its JIT compilers use
+    under ``--jit-settled`` cores over a phase, at most ``--broker-warmup`` phases: the broker a run lives with for
+    hours, not its first minutes (decision 0038). Returned as they ran, kept in the result apart."""
+    rate = next((float(r) for r in args.rates.split(",") if float(r) > 0), 2000.0)
+    done: list[dict[str, Any]] = []
+    for i in range(args.broker_warmup):
+        print(f"== broker JIT {jit}: warm-up phase {i} at {rate:g}/s (until JIT < {args.jit_settled} cores)",
+              file=sys.stderr)
+        load = os.getloadavg()[0]
+        r = {"broker_jit": jit, "warmup_phase": i, **phase(bootstrap, pid, args, rate, "scored", logs, None),
+             "loadavg_1m": [load, os.getloadavg()[0]]}
+        r.pop("latency_per_batch_ms")
+        done.append(r)
+        report(r)
+        if jit_cores(r) < args.jit_settled:
+            break
+    return done
+
+
 def plot(out: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
@@ -335,8 +369,12 @@ def main(argv: list[str] | None = None) -> int:
                     "first with the roles importing dora_rl from there, then with this tree's, back to back")
     ap.add_argument("--profile", default=None, help="a directory: run the roles under cProfile, .prof files there")
     ap.add_argument("--role-log-level", default="INFO", help="DEBUG: the roles log every commit's duration")
+    ap.add_argument("--broker-warmup", type=int, default=10, help="at most this many unmeasured phases on each "
+                    "fresh broker first, until its JIT has settled (0: measure a cold broker)")
+    ap.add_argument("--jit-settled", type=float, default=0.05, help="settled: the broker's JIT compiler threads "
+                    "used under this many cores over a warm-up phase")
     ap.add_argument("--repeats", type=int, default=3, help="each phase this many times (the tail moves between runs)")
-    ap.add_argument("--broker-jit", default="tiered,shipped", help=f"comma-separated, of {sorted(JIT)}: each gets "
+    ap.add_argument("--broker-jit", default="shipped", help=f"comma-separated, of {sorted(JIT)}: each gets "
                     "a fresh local broker with the shipped JVM options plus these, the phases run on each in turn")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -357,13 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {**provenance(), "args": vars(args), "engine": "none (records pre-encoded by the bench)",
                            "workload": f"TBS {args.tbs}, G {args.group}, responses U[64,512] tokens, 64 prompt tokens, "
                                        f"{args.partitions} partitions, replication 1, acks=all", "cpus": os.cpu_count(),
-                           "phases": []}
+                           "broker_warmup": [], "phases": []}
     for jit in args.broker_jit.split(",") if not args.bootstrap_servers else ["(an existing cluster)"]:
         broker = None if args.bootstrap_servers else LocalBroker(root / f"broker-{jit}", port=0,
                                                                  jvm_opts=(*BROKER_JVM_OPTS, *JIT[jit])).start()
         bootstrap = args.bootstrap_servers or (broker.bootstrap_servers if broker else "")
         try:
             prepare_topics(bootstrap, args.partitions)
+            if broker is not None and broker.pid is not None:
+                out["broker_warmup"] += warm_broker(bootstrap, broker.pid, args, jit, logs)
             codes = [args.baseline, None] if args.baseline else [None]
             for plans in args.plans.split(","):
                 for rate, code, rep in ((float(r), c, i) for r in args.rates.split(",") for c in codes
@@ -375,14 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                          **phase(bootstrap, broker.pid if broker else None, args, rate, plans, logs, code),
                          "loadavg_1m": [load, os.getloadavg()[0]]}
                     out["phases"].append(r)
-                    print(f"   {r['throughput_traj_s']:6.0f} traj/s (produced {r['produce_rate']:.0f}/s)  latency p50 "
-                          f"{r['latency_ms']['p50']:.0f} p99 {r['latency_ms']['p99']:.0f} ms (fill p50 "
-                          f"{r['fill_ms']['p50']:.0f})  hops p50/p99 "
-                          + " ".join(f"{h} {v['p50']:.0f}/{v['p99']:.0f}" for h, v in r["hops_ms"].items())
-                          + "  cores " + " ".join(f"{p} {c['cores']:.2f}" for p, c in r["cpu"].items())
-                          + f" (JIT {sum(v for k, v in r['broker_threads_cores'].items() if 'Compiler' in k):.2f})"
-                          + f"  load {r['loadavg_1m'][0]:.1f}-{r['loadavg_1m'][1]:.1f}  verified {r['verified']}",
-                          file=sys.stderr, flush=True)
+                    report(r)
         finally:
             if broker is not None:
                 broker.stop()
