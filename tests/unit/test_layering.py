@@ -24,6 +24,18 @@ def test_rules_and_simulator_import_no_kafka_client(module: str) -> None:
     assert run.stdout.strip() == "", f"{module} imports Kafka clients: {run.stdout.strip()}"
 
 
+def test_roles_that_do_not_train_start_without_torch() -> None:
+    """A killed scorer, assembler or orchestrator restarts through ``dora_rl.cli`` (and ``_bootstrap`` imports the
+    launcher): importing torch and transformers there cost ~6 s of every such restart (decision 0039)."""
+    modules = ("dora_rl.cli", "dora_rl.launcher", "dora_rl.streams.reward_scorer", "dora_rl.streams.assembler",
+               "dora_rl.streams.orchestrator", "dora_rl.core.rewards")
+    code = (f"import sys, {', '.join(modules)}\n"
+            "print(','.join(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "", f"a role that does not train imports {run.stdout.strip()}"
+
+
 @pytest.mark.parametrize("path", ["streams/orchestrator.py", "streams/simulator.py", "producers/rollout/worker.py"])
 def test_callers_drive_interfaces_without_probing(path: str) -> None:
     tree = ast.parse((REPO / path).read_text())
