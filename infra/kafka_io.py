@@ -62,6 +62,7 @@ __all__ = [  # the readers live in kafka_read and are re-exported here, their lo
     "RecordProducer",
     "RecordTooLarge",
     "RunConsumer",
+    "committed_offsets",
     "consumer_config",
     "dead_letter",
     "is_record",
@@ -290,31 +291,64 @@ def is_record(msg: Message) -> bool:
     return False
 
 
+#: Errors of a group coordinator that is not ready yet (a fresh broker, a coordinator moving): asked again.
+COORDINATOR_NOT_READY = (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                         KafkaError.COORDINATOR_NOT_AVAILABLE)
+
+
+def committed_offsets(consumer: Consumer, partitions: list[TopicPartition],
+                      timeout: float = 30.0) -> list[TopicPartition]:
+    """The group's committed offsets of ``partitions``, asked again while its coordinator is not ready
+    (``COORDINATOR_NOT_READY``, or any retriable error) until ``timeout``; librdkafka raises those at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return list(consumer.committed(partitions, timeout=max(1.0, deadline - time.monotonic())))
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            if (err is None or not (err.retriable() or err.code() in COORDINATOR_NOT_READY)
+                    or time.monotonic() > deadline):
+                raise
+            log.info("committed offsets not available yet (%s): asking again", err.str())
+            time.sleep(0.2)
+
+
 class RunConsumer:
     """A consumer group of one component of one run, decoding records and dead-lettering bad ones.
 
     ``record_types`` maps each subscribed topic to its record class. ``start_offsets`` maps
     ``(topic, partition)`` to where the run begins; partitions without a committed offset start
     there (and at the beginning when absent).
+
+    ``assign=True``: every partition of those topics is assigned directly, with no group membership (the group
+    only stores offsets, as for the processors of ``streams/kafka_runtime.py``). A restarted process reads at
+    once, and a paused predecessor that wakes up cannot take the partitions back: a zombie of a role that
+    commits its offsets in transactions is fenced by the transactional id alone (decision 0040).
     """
 
     def __init__(self, bootstrap: str, run_id: str, component: str,
                  record_types: Mapping[str, type[Record]], dead_letters: DeadLetters,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 group_suffix: str = "", **extra: Any) -> None:
+                 group_suffix: str = "", assign: bool = False, **extra: Any) -> None:
         self.run_id = run_id
         self.record_types = dict(record_types)
         self.dead_letters = dead_letters
         self.start_offsets = dict(start_offsets or {})
         group = self._group = f"dora.{run_id}.{component}{group_suffix}"
         self._consumer = Consumer(consumer_config(bootstrap, group, f"{component}-{run_id}", **extra))
-        self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
+        if assign:
+            with security_errors_fatal(f"consumer group {group}: partitions and committed offsets"):
+                md = self._consumer.list_topics(timeout=30)
+                self._on_assign(self._consumer, [TopicPartition(t, p) for t in self.record_types
+                                                 for p in sorted(md.topics[t].partitions)])
+        else:
+            self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
         prom.watch_consumer(self._consumer, group, bootstrap)
         self.skipped_other_runs = 0
         self.last_poll_count = 0
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        committed = consumer.committed(partitions, timeout=30)
+        committed = committed_offsets(consumer, partitions)
         for tp in committed:
             if tp.offset == OFFSET_INVALID or tp.offset < 0:
                 tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)
@@ -344,7 +378,7 @@ class RunConsumer:
 
     def commit_in_transaction(self, producer: Producer, timeout: float = 30.0) -> None:
         """Add the consumed positions to ``producer``'s open transaction (exactly-once hand-off)."""
-        positions = self._consumer.position(self._consumer.assignment())
+        positions = [tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0]
         with security_errors_fatal(f"send_offsets_to_transaction, group {self._group}"):
             producer.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata(), timeout)
 

@@ -42,6 +42,7 @@ from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import (
     RecordProducer,
+    committed_offsets,
     consumer_config,
     dead_letter,
     is_record,
@@ -132,7 +133,7 @@ class KafkaDriver:
         with security_errors_fatal(f"{self.proc.name}: inputs and committed offsets"):
             md = self.consumer.list_topics(timeout=30)
             tps = [TopicPartition(t, p) for t in self.record_types for p in sorted(md.topics[t].partitions)]
-            committed = self.consumer.committed(tps, timeout=30)
+            committed = committed_offsets(self.consumer, tps)
         for tp in committed:
             if tp.offset == OFFSET_INVALID or tp.offset < 0:
                 tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)

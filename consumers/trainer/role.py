@@ -1,6 +1,6 @@
 """The trainer role: consumes ``dora.train.batches``, updates the policy, announces new versions.
 
-Reads ``dora.train.batches`` (group ``dora.<run>.trainer``, static membership) and, at start, the
+Reads ``dora.train.batches`` (assigned directly; group ``dora.<run>.trainer`` stores its offsets) and, at start, the
 end of ``dora.policy.versions``; writes ``dora.policy.versions``, ``dora.metrics`` and ``dora.dlq``;
 serves weights over the configured transport.
 
@@ -201,7 +201,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     # undecodable input is refused while polling, outside any transaction: its own idempotent producer
     undecodable = DeadLetters(RecordProducer(bootstrap, f"{COMPONENT}-dlq-{run_id}"), COMPONENT, run_id)
     consumer = RunConsumer(bootstrap, run_id, COMPONENT, {topics.BATCHES: TrainBatch}, undecodable, start_offsets,
-                           **{"group.instance.id": f"dora.{run_id}.trainer", "session.timeout.ms": "10000"})
+                           assign=True)
     ranks: TrainerRanks | None = None
     idle_s = 0.0
     busy_s = 0.0
