@@ -15,8 +15,9 @@ fast as the producer goes, i.e. the saturated throughput, whose latency is mostl
 unmeasured steps produced at the same rate (a broker in a run lives for hours: its JIT has compiled the paths that
 load takes; 160 steps at 2,100/s is ~20 s). The default rate is 2,100/s so that the carried throughput, whose window
 includes the last batch's latency, can show 2,000/s. Each phase runs ``--repeats`` times (the tail moves between
-runs on 2 shared cores), on a fresh local broker per ``--broker-jit`` setting (``JIT``: the shipped JVM options, or
-with C2 back on), the settings back to back in one invocation.
+runs on 2 shared cores), on a fresh local broker per ``--broker-jit`` setting (``JIT``: the shipped JVM options,
+i.e. HotSpot's tiered JIT, or C1 only), the settings back to back in one invocation, each broker first warmed until
+its JIT has settled (``--broker-warmup``, ``--jit-settled``; decision 0038).
 
 Formulas, on the bench's monotonic clock: ``ack(t)`` = the producer's delivery report of trajectory t (acks=all);
 ``seen(x)`` = when a read_committed consumer in the bench gets x (its commit, plus one fetch).
@@ -28,7 +29,7 @@ per thread group (``/proc``: JIT compilers, request handlers, coordinators...), 
 average before and after each phase (other work on the machine shows there).
 
 Usage: ``python bench/pipeline.py [--rates 2100,0] [--plans scored,ahead] [--steps 40] [--warmup 160] [--repeats 3]
-[--broker-jit tiered,shipped] [--tbs 256] [--group 8] [--baseline OTHER_CHECKOUT] [--profile DIR]``;
+[--broker-jit shipped] [--broker-warmup 10] [--tbs 256] [--group 8] [--baseline OTHER_CHECKOUT] [--profile DIR]``;
 writes ``bench/results/pipeline-<UTC timestamp>.json`` and ``.png``.
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer
@@ -51,10 +51,12 @@ def test_a_woken_zombie_is_fenced_and_leaves_its_replacement_alone(bootstrap: st
     assert records(live_c, 1) == [0]  # nothing was committed: the replacement starts where the run did
 
     assert records(zombie_c, 1) == [1]  # the zombie wakes up, reads on, and tries to commit
-    with pytest.raises(KafkaException):
+    with pytest.raises(KafkaException) as refused:
         zombie_p.raw.begin_transaction()
         zombie_c.commit_in_transaction(zombie_p.raw)
         zombie_p.raw.commit_transaction(30)
+    err = refused.value.args[0]  # fenced by its replacement's init_transactions: nothing else refuses it here
+    assert err.fatal() and err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED), err
 
     assert records(live_c, 2) == [1, 2]  # the replacement is untouched: it reads and commits on
     live_p.raw.begin_transaction()
