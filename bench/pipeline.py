@@ -183,6 +183,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     from dora_rl.launcher import create
     from dora_rl.schemas.records import BatchPlan, TrainBatch
 
+    load0 = os.getloadavg()[0]
     total, groups = args.warmup + args.steps, args.tbs // args.group
     cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "steps": total, "train_batch_size": args.tbs,
                                 "rollout_batch_size": 2 * args.tbs, "group_size": args.group,
@@ -231,29 +232,28 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
             producer.raw.poll(0.005)
         return True
 
-    try:
-        tw, n = time.monotonic(), 0  # warm-up at the measured rate: the JVM compiles the paths that rate takes
-        for k in range(args.warmup):
+    def produce_paced(ks: range) -> float:
+        """Steps ``ks`` at ``rate`` (0: as fast as possible); returns when pacing started."""
+        t, n = time.monotonic(), 0
+        for k in ks:
             for i, w in enumerate(steps[k]):
-                if rate > 0 and (left := tw + n / rate - time.monotonic()) > 0:
-                    time.sleep(left)
+                if rate > 0 and (left := t + n / rate - time.monotonic()) > 0:
+                    time.sleep(left)  # not poll(left): librdkafka rounds it down to 0 ms and spins
                 produce(k, i, w)
-                producer.raw.poll(0)
+                producer.raw.poll(0)  # delivery reports, timed when served
                 n += 1
+        return t
+
+    try:
+        produce_paced(range(args.warmup))  # at the measured rate: the JVM compiles the paths that rate takes
         if not wait_batches(range(args.warmup), 180):
             raise RuntimeError(f"warm-up batches never committed; role logs in {logs}")
         scorer = psutil.Process(roles["scorer"].pid)
         procs = {"scorer": [scorer], "assembler": [psutil.Process(roles["assembler"].pid)],
                  "reward_workers": scorer.children(recursive=True),
                  "broker": [psutil.Process(broker_pid)] if broker_pid else [], "bench": [psutil.Process()]}
-        cpu0, threads0, t0, n = cpu_s(procs), thread_cpu_s(broker_pid), time.monotonic(), 0
-        for k in range(args.warmup, total):
-            for i, w in enumerate(steps[k]):
-                if rate > 0 and (left := t0 + n / rate - time.monotonic()) > 0:
-                    time.sleep(left)  # not poll(left): librdkafka rounds it down to 0 ms and spins
-                produce(k, i, w)
-                producer.raw.poll(0)  # delivery reports, timed when served
-                n += 1
+        cpu0, threads0 = cpu_s(procs), thread_cpu_s(broker_pid)
+        t0 = produce_paced(range(args.warmup, total))
         t_produced = time.monotonic()
         producer.flush(60)
         ok = wait_batches(range(args.warmup, total), 120)
@@ -285,6 +285,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     problems += [f"batch {k}: missing, or not its plan" for k in range(total) if got.get(k) != sorted(ids[k])]
     n_traj, used = args.steps * args.tbs, {name: cpu1[name] - cpu0[name] for name in cpu0}
     return {"plans": plans, "rate_target": rate, "roles_from": code or "this tree", "run_id": run,
+            "loadavg_1m": [load0, os.getloadavg()[0]],
             "all_committed": ok, "verified": not problems, "problems": problems[:5], "measured_trajectories": n_traj,
             "measured_batches": len(lat), "produce_rate": n_traj / (t_produced - t0),
             "throughput_traj_s": n_traj / window if window else 0.0,
@@ -322,9 +323,7 @@ def warm_broker(bootstrap: str, pid: int, args: argparse.Namespace, jit: str, lo
     for i in range(args.broker_warmup):
         print(f"== broker JIT {jit}: warm-up phase {i} at {rate:g}/s (until JIT < {args.jit_settled} cores)",
               file=sys.stderr)
-        load = os.getloadavg()[0]
-        r = {"broker_jit": jit, "warmup_phase": i, **phase(bootstrap, pid, args, rate, "scored", logs, None),
-             "loadavg_1m": [load, os.getloadavg()[0]]}
+        r = {"broker_jit": jit, "warmup_phase": i, **phase(bootstrap, pid, args, rate, "scored", logs, None)}
         r.pop("latency_per_batch_ms")
         done.append(r)
         report(r)
@@ -411,10 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                                         for i in range(args.repeats)):
                     print(f"== broker JIT {jit}, plans {plans}, rate {rate:g}/s, roles from {code or 'this tree'}, "
                           f"repeat {rep}", file=sys.stderr)
-                    load = os.getloadavg()[0]
                     r = {"broker_jit": jit, "broker_jvm_opts": list(JIT.get(jit, ())), "repeat": rep,
-                         **phase(bootstrap, broker.pid if broker else None, args, rate, plans, logs, code),
-                         "loadavg_1m": [load, os.getloadavg()[0]]}
+                         **phase(bootstrap, broker.pid if broker else None, args, rate, plans, logs, code)}
                     out["phases"].append(r)
                     report(r)
         finally:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,8 @@ __all__ = [  # the readers live in kafka_read and are re-exported here, their lo
     "read_backwards",
     "read_range",
     "reader_config",
+    "resume_all_partitions",
+    "resume_assigned",
     "surface_security_error",
     "watermarks",
 ]
@@ -313,6 +315,27 @@ def committed_offsets(consumer: Consumer, partitions: list[TopicPartition],
             time.sleep(0.2)
 
 
+def resume_assigned(consumer: Consumer, partitions: list[TopicPartition],
+                    start_offsets: Mapping[tuple[str, int], int]) -> None:
+    """Assign ``partitions`` at the group's committed offsets; one without a committed offset starts at
+    ``start_offsets`` (where the run began; 0 when absent)."""
+    committed = committed_offsets(consumer, partitions)
+    for tp in committed:
+        if tp.offset == OFFSET_INVALID or tp.offset < 0:
+            tp.offset = start_offsets.get((tp.topic, tp.partition), 0)
+    consumer.assign(committed)
+
+
+def resume_all_partitions(consumer: Consumer, topics_: Iterable[str],
+                          start_offsets: Mapping[tuple[str, int], int], what: str) -> None:
+    """Every partition of ``topics_`` assigned directly (no group membership) by :func:`resume_assigned`;
+    ``what`` names the caller in a refused credential's error."""
+    with security_errors_fatal(what):
+        md = consumer.list_topics(timeout=30)
+        resume_assigned(consumer, [TopicPartition(t, p) for t in topics_ for p in sorted(md.topics[t].partitions)],
+                        start_offsets)
+
+
 class RunConsumer:
     """A consumer group of one component of one run, decoding records and dead-lettering bad ones.
 
@@ -337,10 +360,8 @@ class RunConsumer:
         group = self._group = f"dora.{run_id}.{component}{group_suffix}"
         self._consumer = Consumer(consumer_config(bootstrap, group, f"{component}-{run_id}", **extra))
         if assign:
-            with security_errors_fatal(f"consumer group {group}: partitions and committed offsets"):
-                md = self._consumer.list_topics(timeout=30)
-                self._on_assign(self._consumer, [TopicPartition(t, p) for t in self.record_types
-                                                 for p in sorted(md.topics[t].partitions)])
+            resume_all_partitions(self._consumer, self.record_types, self.start_offsets,
+                                  f"consumer group {group}: partitions and committed offsets")
         else:
             self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
         prom.watch_consumer(self._consumer, group, bootstrap)
@@ -348,11 +369,7 @@ class RunConsumer:
         self.last_poll_count = 0
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        committed = committed_offsets(consumer, partitions)
-        for tp in committed:
-            if tp.offset == OFFSET_INVALID or tp.offset < 0:
-                tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)
-        consumer.assign(committed)
+        resume_assigned(consumer, partitions, self.start_offsets)
 
     def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Envelope]:
         """Decoded records of this run; bad ones are dead-lettered, other runs' skipped."""

@@ -36,13 +36,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import (
     RecordProducer,
-    committed_offsets,
     consumer_config,
     dead_letter,
     is_record,
@@ -50,6 +49,7 @@ from dora_rl.infra.kafka_io import (
     now_ms,
     read_range,
     reader_config,
+    resume_all_partitions,
 )
 from dora_rl.infra.kafka_security import security_errors_fatal
 from dora_rl.infra.snapshots import latest_snapshot, send_snapshot
@@ -130,14 +130,8 @@ class KafkaDriver:
             self.commits = int(snap.commit)
         self.proc.init(self.ctx)
         self._cache.clear()
-        with security_errors_fatal(f"{self.proc.name}: inputs and committed offsets"):
-            md = self.consumer.list_topics(timeout=30)
-            tps = [TopicPartition(t, p) for t in self.record_types for p in sorted(md.topics[t].partitions)]
-            committed = committed_offsets(self.consumer, tps)
-        for tp in committed:
-            if tp.offset == OFFSET_INVALID or tp.offset < 0:
-                tp.offset = self.start_offsets.get((tp.topic, tp.partition), 0)
-        self.consumer.assign(committed)
+        resume_all_partitions(self.consumer, self.record_types, self.start_offsets,
+                              f"{self.proc.name}: inputs and committed offsets")
         log.info("%s: %s in %.2fs", self.proc.name,
                  f"restored from commit {self.restored_from}" if snap is not None else "fresh start",
                  time.perf_counter() - t0)
