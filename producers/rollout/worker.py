@@ -35,7 +35,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
@@ -44,7 +43,6 @@ from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import KafkaSecurityError
 from dora_rl.infra.keys import make_key, partition_for
-from dora_rl.infra.weight_sync import Fetcher
 from dora_rl.infra.weights.protocol import WeightFetchError
 from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
@@ -204,7 +202,6 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                 start_offsets: dict[tuple[str, int], int], token: str = "",
                 stop: Callable[[], bool] = lambda: False, engine: Engine | None = None) -> None:
     """Serve requests until ``stop()``."""
-    torch.set_num_threads(1)
     producer = RecordProducer(bootstrap, f"rollout-{index}-{run_id}")
     inst_dlq = DeadLetters(producer, f"rollout-{index}", run_id)
     metrics = Metrics(producer, run_id, f"rollout-{index}")
@@ -212,7 +209,11 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts,
                         state_since=start_offsets.get((topics.STATE, 0), 0))
     inst = Instance(run_id, index, config, producer, eng.decode, guard)
-    fetcher = Fetcher(config.weight_transport, token) if eng.fetches_weights else None
+    fetcher = None
+    if eng.fetches_weights:  # imported here: the weight channel needs torch, an emulated instance does not
+        from dora_rl.infra.weight_sync import Fetcher
+
+        fetcher = Fetcher(config.weight_transport, token)
     holder = (InstanceHolder(config.weight_transport, run_id, token)
               if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
     inst.endpoint = holder.endpoint if holder is not None else ""

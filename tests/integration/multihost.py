@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 Spawn = Callable[[str, list[str], dict[str, str]], "subprocess.Popen[bytes]"]
 STREAM_ROLES = ("orchestrator", "assembler", "scorer")
@@ -56,17 +57,63 @@ def claimed_indices(bootstrap: str, run_id: str) -> dict[str, int]:
     return {name: i for i, name in own.items() if name}
 
 
-def last_in_flight(bootstrap: str, run_id: str, index: int) -> int:
-    """Trajectories instance ``index`` reported decoding in its latest heartbeat (0 before it sent one)."""
+def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[str, Any],
+                        proc: subprocess.Popen[bytes], min_left_s: float = 1.0, timeout: float = 120.0) -> str:
+    """SIGSTOP emulated instance ``index`` (``proc``) at a moment it provably still decodes a request, and
+    return that request's id.
+
+    Tails the instance's heartbeats (``dora.instances``). A request id first seen in heartbeat ``h_k`` (in
+    no heartbeat of any instance before: not a resumed partial) started after ``h_{k-1}``, so it has
+    decoded at most ``(ts_k - ts_{k-1}) / step + 1`` tokens at ``ts_k``, where ``step >= base_step_s``
+    (``core.emulation.step_time`` never goes below it). Its planned length ``L`` is known
+    (``planned_length``), so at the moment the test acts it still has at least
+    ``(L - decoded) * step - (now - ts_k)`` seconds to run; the instance is stopped only when that bound is
+    at least ``min_left_s``. The leave that follows then always has work to move (no race: decision 0037).
+    """
+    import signal
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from dora_rl.core.emulation import EmulatedParams, for_instance, planned_length
     from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.kafka_read import now_ms, reader_config
     from dora_rl.infra.runs import get_run, offsets_map
     from dora_rl.schemas.records import InstanceStatus
 
+    params = for_instance(EmulatedParams.from_dict({"seed": config["seed"], **config.get("emulated", {})}), index)
+    step, cap = params.base_step_s * params.time_scale, int(config["max_new_tokens"])
     start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.INSTANCES}
-    recs = [InstanceStatus.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.INSTANCES, start)]
-    mine = [s for s in recs if s.run_id == run_id and int(s.instance_index) == index]
-    return int(mine[-1].in_flight) if mine else 0
+    consumer = Consumer(reader_config(bootstrap, f"dora-test-tail-{now_ms()}"))
+    consumer.assign([TopicPartition(topics.INSTANCES, p, o) for p, o in start.items()])
+    seen: set[str] = set()
+    prev_ts: int | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            for msg in consumer.consume(100, 0.1):
+                if msg.error() is not None:
+                    continue
+                hb = InstanceStatus.decode(msg.value(), msg.headers())
+                if hb.run_id != run_id:
+                    continue
+                ids = set(hb.in_flight_ids)
+                fresh, mine = ids - seen, int(hb.instance_index) == index
+                seen |= ids
+                if not mine:
+                    continue
+                ts, last = int(hb.ts_ms), prev_ts
+                prev_ts = ts
+                if last is None or not fresh:
+                    continue
+                decoded = (ts - last) / 1000.0 / step + 1
+                left = max(planned_length(rid, cap, params)[0] for rid in fresh) - decoded
+                if left * step - (now_ms() - ts) / 1000.0 >= min_left_s:
+                    proc.send_signal(signal.SIGSTOP)
+                    return max(fresh, key=lambda rid: planned_length(rid, cap, params)[0])
+    finally:
+        consumer.close()
+    raise AssertionError(f"instance {index} started no request with {min_left_s}s of decode left in {timeout}s")
 
 
 def run_state(bootstrap: str, run_id: str) -> str:

@@ -2,7 +2,8 @@
 
 The checks read the page as rendered, after its script fetched ``api/run`` and drew it (``--dump-dom``
 with a virtual-time budget): one timeline row per rollout instance, and a step count that grows
-between two reads while the run goes on. A screenshot of the finished run's page is saved to
+between two reads while the run goes on (the trainer is paused during each read, so neither can meet the
+run's end however slow the render). A screenshot of the finished run's page is saved to
 ``docs/dashboard.png``. Chromium comes from ``make setup-browser`` (which ``make test`` runs): in CI
 (``CI`` set) a missing browser fails this test; elsewhere it is skipped with the reason.
 """
@@ -13,9 +14,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -57,6 +61,16 @@ def timeline_rows(dom: str) -> list[str]:
     return [re.search(r'data-instance="([^"]+)"', g).group(1) for g in rows]  # type: ignore[union-attr]
 
 
+@contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process ``pid`` stopped (SIGSTOP) for the block, then continued."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def api_steps(url: str) -> int:
     with urllib.request.urlopen(url + "api/run", timeout=10) as resp:
         return int(json.loads(resp.read())["step_count"])
@@ -83,16 +97,23 @@ def test_dashboard_renders_a_live_run(bootstrap: str, dora_home: Path, tmp_path:
         url = re.search(r"http://\S+/", line)
         assert url, f"the dashboard printed no URL: {line!r}"
         base = url.group(0)
+        # The trainer is paused (SIGSTOP) while Chromium renders, so each read sees a run that is still going
+        # whatever the machine's load: paused at step >= 1, the first read shows a step count well below the
+        # run's 10; after one more step it is paused again for the second read. (Left running, a slow render
+        # could meet the run's end: decision 0037.)
+        trainer = json.loads((runs / run_id / "pids.json").read_text())["trainer"]
         wait_for(lambda: api_steps(base) >= 1, 180, "a first step on the dashboard")
-
-        first = rendered(browser, base)
+        with paused(trainer):
+            first = rendered(browser, base)
         assert sorted(timeline_rows(first)) == [f"rollout-{i}" for i in range(CONFIG["num_instances"])]
         steps_before = step_count(first)
-        assert steps_before >= 1
+        assert 1 <= steps_before < CONFIG["steps"] - 2
         wait_for(lambda: api_steps(base) > steps_before, 120, "another step")
-        second = rendered(browser, base)
-        assert launcher.poll() is None or step_count(second) < CONFIG["steps"], "read after the run ended"
-        assert step_count(second) > steps_before
+        with paused(trainer):
+            assert api_steps(base) < CONFIG["steps"], "the run ended before the second read"
+            second = rendered(browser, base)
+        assert launcher.poll() is None, "read after the run ended"
+        assert steps_before < step_count(second) < CONFIG["steps"]
         assert len(timeline_rows(second)) == CONFIG["num_instances"]
         assert 'class="hist-bar"' in second and "chart-reward" in second
 

@@ -26,9 +26,11 @@ def test_rules_and_simulator_import_no_kafka_client(module: str) -> None:
 
 def test_roles_that_do_not_train_start_without_torch() -> None:
     """A killed scorer, assembler or orchestrator restarts through ``dora_rl.cli`` (and ``_bootstrap`` imports the
-    launcher): importing torch and transformers there cost ~6 s of every such restart (decision 0039)."""
+    launcher): importing torch and transformers there cost ~6 s of every such restart (decision 0039). The rollout
+    worker and its emulated engine too: a model engine imports torch when ``make_engine`` builds it."""
     modules = ("dora_rl.cli", "dora_rl.launcher", "dora_rl.streams.reward_scorer", "dora_rl.streams.assembler",
-               "dora_rl.streams.orchestrator", "dora_rl.core.rewards")
+               "dora_rl.streams.orchestrator", "dora_rl.core.rewards", "dora_rl.roles",
+               "dora_rl.producers.rollout.worker", "dora_rl.producers.rollout.emulated")
     code = (f"import sys, {', '.join(modules)}\n"
             "print(','.join(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
