@@ -78,6 +78,7 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
     from dora_rl.core.emulation import EmulatedParams, for_instance, planned_length
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_read import now_ms, reader_config
+    from dora_rl.infra.kafka_security import check_kafka_error
     from dora_rl.infra.runs import get_run, offsets_map
     from dora_rl.schemas.records import InstanceStatus
 
@@ -92,8 +93,7 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
     try:
         while time.monotonic() < deadline:
             for msg in consumer.consume(100, 0.1):
-                if msg.error() is not None:
-                    continue
+                check_kafka_error(msg.error(), f"tailing {topics.INSTANCES}")
                 hb = InstanceStatus.decode(msg.value(), msg.headers())
                 if hb.run_id != run_id:
                     continue
