@@ -33,6 +33,7 @@ from tqdm import tqdm
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.dashboard.plot import plot_summary
 from dora_rl.consumers.tensorboard_log import TensorBoardLog
+from dora_rl.core.paired_bootstrap import paired_bootstrap
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
@@ -231,8 +232,6 @@ def eval_summary(progress: Progress) -> dict[str, Any]:
     first, last = min(progress.evals), max(progress.evals)
     a, b = progress.evals[first].labels.get("correct", ""), progress.evals[last].labels.get("correct", "")
     if last > first and a and len(a) == len(b):
-        from dora_rl.consumers.trainer.evaluate import paired_bootstrap  # torch: not on every role's start path
-
         diff, lo, hi = paired_bootstrap(a, b)
         out["eval_delta"] = {"from_version": first, "to_version": last, "pass_at_1_diff": diff,
                              "ci95": [lo, hi], "resamples": 10_000}

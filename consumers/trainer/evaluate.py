@@ -10,9 +10,9 @@ Definitions (tested in ``tests/unit/test_evaluate.py``):
 
 * ``correct[i] = 1`` iff prompt ``i``'s reward is ``>= 1 - 1e-9`` (a fully correct answer; partial
   credit counts in ``reward_mean`` only); ``pass_at_1 = mean(correct)``;
-* :func:`paired_bootstrap` of two evaluations on the same prompts (same order): the difference
-  ``mean(b) - mean(a)`` and its percentile interval over ``resamples`` resamples of the prompt indices
-  (the same indices for both: a paired interval, narrower than two independent ones);
+* :func:`~dora_rl.core.paired_bootstrap.paired_bootstrap` (pure numpy, in ``core``) of two evaluations on
+  the same prompts (same order): the difference ``mean(b) - mean(a)`` and its percentile interval over
+  ``resamples`` resamples of the prompt indices (the same indices for both: a paired interval);
 * the outcome vector travels as a ``0``/``1`` string (``EvalResult.correct``), so one metric record on
   ``dora.metrics`` carries a whole evaluation and the summary can compute the interval from the log.
 
@@ -106,20 +106,3 @@ def evaluate(model: torch.nn.Module, tokenizer: object, rows: Sequence[PromptRow
                       reward_mean=float(np.mean(rewards)), correct=correct,
                       refused=sum(not isinstance(o, float) for o in outcomes), eval_s=time.perf_counter() - t0,
                       completion_tokens_mean=float(np.mean([len(c) for c in completions])))
-
-
-def paired_bootstrap(before: str, after: str, resamples: int = 10_000, seed: int = 0,
-                     level: float = 0.95) -> tuple[float, float, float]:
-    """``(mean(after) - mean(before), low, high)``: the difference of two evaluations' pass@1 on the
-    same prompts and its ``level`` percentile interval over paired resamples of the prompts."""
-    if len(before) != len(after) or not before:
-        raise ValueError(f"paired bootstrap needs two non-empty outcome strings of one length "
-                         f"({len(before)} vs {len(after)})")
-    a = np.frombuffer(before.encode(), dtype=np.uint8) - ord("0")
-    b = np.frombuffer(after.encode(), dtype=np.uint8) - ord("0")
-    diff = (b.astype(np.float64) - a.astype(np.float64))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(diff), size=(resamples, len(diff)))
-    means = diff[idx].mean(axis=1)
-    tail = (1.0 - level) / 2
-    return float(diff.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))

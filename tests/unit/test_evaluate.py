@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dora_rl.consumers.trainer.evaluate import evaluate, greedy_completions, paired_bootstrap
+from dora_rl.consumers.trainer.evaluate import evaluate, greedy_completions
+from dora_rl.core.paired_bootstrap import paired_bootstrap
 from dora_rl.core.prompt_data import PromptRow
 from dora_rl.modeling import build_tiny_model, encode_prompt, load_policy
 
