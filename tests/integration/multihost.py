@@ -107,10 +107,11 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
                 if last is None or not fresh:
                     continue
                 decoded = (ts - last) / 1000.0 / step + 1
-                left = max(planned_length(rid, cap, params)[0] for rid in fresh) - decoded
+                longest = max(fresh, key=lambda rid: planned_length(rid, cap, params)[0])
+                left = planned_length(longest, cap, params)[0] - decoded
                 if left * step - (now_ms() - ts) / 1000.0 >= min_left_s:
                     proc.send_signal(signal.SIGSTOP)
-                    return max(fresh, key=lambda rid: planned_length(rid, cap, params)[0])
+                    return longest
     finally:
         consumer.close()
     raise AssertionError(f"instance {index} started no request with {min_left_s}s of decode left in {timeout}s")
