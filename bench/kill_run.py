@@ -32,7 +32,7 @@ def main() -> None:
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_dist import dora_home
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.launcher import ensure_broker
     from dora_rl.schemas.records import PolicyVersion
 
@@ -64,7 +64,7 @@ def main() -> None:
     watch.close()
     summary = json.loads(out.read_text())
     report = audit_run(bootstrap, rdir.name)
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, rdir.name)).items() if t == topics.VERSIONS}
+    start = topic_start(offsets_map(get_run(bootstrap, rdir.name)), topics.VERSIONS)
     checksums: dict[int, set[str]] = {}
     for msg in read_all(bootstrap, topics.VERSIONS, start):
         ann = PolicyVersion.decode(msg.value(), msg.headers())

@@ -179,7 +179,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import RecordProducer, read_all
     from dora_rl.infra.keys import make_key
-    from dora_rl.infra.runs import offsets_map
+    from dora_rl.infra.runs import offsets_map, topic_start
     from dora_rl.launcher import create
     from dora_rl.schemas.records import BatchPlan, TrainBatch
 
@@ -276,7 +276,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
             "assembler": [obs.batch_t[k] - max(obs.scored_t.get(k, 0.0), obs.plan_t.get(k, 0.0)) for k in ks]}
     window = max(obs.batch_t[k] for k in ks) - min(acks[(args.warmup, i)] for i in range(args.tbs)) if ks else 0.0
     problems, got = failed[:3], {}
-    for msg in read_all(bootstrap, topics.BATCHES, {p: o for (t, p), o in start.items() if t == topics.BATCHES}):
+    for msg in read_all(bootstrap, topics.BATCHES, topic_start(start, topics.BATCHES)):
         b = TrainBatch.decode(msg.value(), msg.headers())
         if b.run_id == run:
             if int(b.train_step) in got or any(t.reward is None for t in b.trajectories):

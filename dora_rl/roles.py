@@ -20,7 +20,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_dist import dora_home
 from dora_rl.infra.prom_serve import serve as serve_metrics
-from dora_rl.infra.runs import get_run, offsets_map
+from dora_rl.infra.runs import get_run, offsets_map, topic_start
 
 log = logging.getLogger(__name__)
 ROLES = ("trainer", "rollout", "scorer", "assembler", "orchestrator", "dataset")
@@ -107,7 +107,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
         from dora_rl.producers.dataset import produce_prompts
 
         tok = load_tokenizer(resolve_model(config.model, config.seed))  # the prompts' token ids: no weights
-        prompts_start = {p: o for (t, p), o in start.items() if t == topics.PROMPTS}
+        prompts_start = topic_start(start, topics.PROMPTS)
         n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), tok, prompts_start)
         log.info("wrote %d prompts", n)
     else:

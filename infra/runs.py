@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping
 
 from confluent_kafka import Consumer, TopicPartition
 
@@ -98,6 +99,11 @@ def get_run(bootstrap: str, run_id: str | None = None) -> RunInfo:
 def offsets_map(info: RunInfo) -> dict[tuple[str, int], int]:
     """``{(topic, partition): offset}`` of a run's start."""
     return {(o.topic, o.partition): o.offset for o in info.start_offsets}
+
+
+def topic_start(start: Mapping[tuple[str, int], int], topic: str) -> dict[int, int]:
+    """``{partition: offset}`` of one topic, picked from a run's start (:func:`offsets_map`'s shape)."""
+    return {p: o for (t, p), o in start.items() if t == topic}
 
 
 class RetentionGap(RuntimeError):

@@ -18,6 +18,7 @@ from dora_rl.core.instance_ids import first_free, owned_by, owners
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import RecordProducer, now_ms, read_all
 from dora_rl.infra.keys import make_key
+from dora_rl.infra.runs import topic_start
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import InstanceStatus
 
@@ -42,7 +43,7 @@ def _records(bootstrap: str, run_id: str, start: Mapping[int, int]) -> Iterator[
 def claim_index(bootstrap: str, run_id: str, max_instances: int, start_offsets: Mapping[tuple[str, int], int],
                 name: str, capacity: int = 0, max_tries: int = 64) -> int:
     """The index ``name`` owns in run ``run_id``: the one it owned before, else a newly claimed one."""
-    start = {p: o for (t, p), o in start_offsets.items() if t == topics.INSTANCES}
+    start = topic_start(start_offsets, topics.INSTANCES)
     producer = RecordProducer(bootstrap, f"claim-{name}")
     try:
         for _ in range(max_tries):

@@ -48,10 +48,10 @@ def claimed_indices(bootstrap: str, run_id: str) -> dict[str, int]:
     from dora_rl.core.instance_ids import owners
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import InstanceStatus
 
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.INSTANCES}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
     recs = [InstanceStatus.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.INSTANCES, start)]
     own = owners((int(s.instance_index), s.incarnation) for s in recs if s.run_id == run_id)
     return {name: i for i, name in own.items() if name}
@@ -79,12 +79,12 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_read import now_ms, reader_config
     from dora_rl.infra.kafka_security import check_kafka_error
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import InstanceStatus
 
     params = for_instance(EmulatedParams.from_dict({"seed": config["seed"], **config.get("emulated", {})}), index)
     step, cap = params.base_step_s * params.time_scale, int(config["max_new_tokens"])
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.INSTANCES}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
     consumer = Consumer(reader_config(bootstrap, f"dora-test-tail-{now_ms()}"))
     consumer.assign([TopicPartition(topics.INSTANCES, p, o) for p, o in start.items()])
     seen: set[str] = set()

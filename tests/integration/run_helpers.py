@@ -14,10 +14,10 @@ from typing import Any
 def steps_done(bootstrap: str, run_id: str) -> int:
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import Metric
 
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.METRICS)
     steps = set()
     for msg in read_all(bootstrap, topics.METRICS, start):
         m = Metric.decode(msg.value(), msg.headers())
@@ -47,10 +47,10 @@ def emulated_run(**overrides: Any) -> dict[str, Any]:
 def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import Trajectory
 
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.TRAJECTORIES}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.TRAJECTORIES)
     out: dict[str, int] = {}
     for msg in read_all(bootstrap, topics.TRAJECTORIES, start):
         t = Trajectory.decode(msg.value(), msg.headers())
@@ -62,10 +62,10 @@ def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
 def metric_total(bootstrap: str, run_id: str, component: str, name: str) -> float:
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import Metric
 
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.METRICS}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.METRICS)
     total = 0.0
     for msg in read_all(bootstrap, topics.METRICS, start):
         m = Metric.decode(msg.value(), msg.headers())

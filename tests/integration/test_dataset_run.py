@@ -33,7 +33,7 @@ def test_run_on_a_jsonl_dataset_with_evaluation(bootstrap: str, dora_home: Path,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.launcher import run
 
     data = _dataset(tmp_path / "arith.jsonl")
@@ -47,7 +47,7 @@ def test_run_on_a_jsonl_dataset_with_evaluation(bootstrap: str, dora_home: Path,
 
     # the prompts on the topic are the training rows, in order, and never a held-out row
     info = get_run(bootstrap, summary["run_id"])
-    start = {p: o for (t, p), o in offsets_map(info).items() if t == topics.PROMPTS}
+    start = topic_start(offsets_map(info), topics.PROMPTS)
     written = [p for p in (Prompt.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.PROMPTS, start))
                if p.run_id == summary["run_id"]]
     rows = training_prompts(config, len(written))

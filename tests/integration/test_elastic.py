@@ -83,7 +83,7 @@ def test_more_instances_than_request_partitions_each_serving_at_least_two_versio
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import InstanceStatus
 
     # migrate: a moved instance switches at once. Under drain (the default) the instances that keep the oldest
@@ -91,7 +91,7 @@ def test_more_instances_than_request_partitions_each_serving_at_least_two_versio
     # dispatch: measured, rollout-0 and -1 then ended on version 0 alone (decision 0033)
     # 18 > the 16 partitions (24 took a third longer on 2 cores and tested nothing more)
     config = {**CONFIG, "num_instances": 18, "max_instances": 18, "steps": 6, "train_batch_size": 48,
-              "group_size": 4, "rollout_batch_size": 96, "instance_concurrency": 8, "seed": 10,
+              "group_size": 4, "rollout_batch_size": 96, "instance_concurrency": 4, "seed": 10,
               "max_staleness": 2, "repartition_policy": "migrate"}
     cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
     cfg.write_text(json.dumps(config))
@@ -100,7 +100,7 @@ def test_more_instances_than_request_partitions_each_serving_at_least_two_versio
                          env=dict(os.environ))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run_id = json.loads(out.read_text())["run_id"]
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.INSTANCES}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
     held: dict[str, set[int]] = {}
     for msg in read_all(bootstrap, topics.INSTANCES, start):
         st = InstanceStatus.decode(msg.value(), msg.headers())

@@ -61,9 +61,9 @@ def _service(cmd: list[str], bootstrap: str, run_id: str, reward: Path, log: Pat
 def _read(bootstrap: str, run_id: str, topic: str, cls: type) -> list[tuple[int, int, object, object]]:
     """(partition, offset, message, record) of the run's committed records on ``topic``."""
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
 
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topic}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topic)
     out = []
     for msg in read_all(bootstrap, topic, start):
         rec = cls.decode(msg.value(), msg.headers())

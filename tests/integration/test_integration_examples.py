@@ -62,10 +62,10 @@ def example_run(bootstrap: str, dora_home: Path, tmp_path_factory: pytest.TempPa
 def _scored(bootstrap: str, run_id: str) -> list[tuple[int, int, Any]]:
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import Trajectory
 
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.SCORED}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.SCORED)
     out = []
     for msg in read_all(bootstrap, topics.SCORED, start):
         t = Trajectory.decode(msg.value(), msg.headers())

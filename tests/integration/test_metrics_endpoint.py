@@ -52,7 +52,7 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     from dora_rl.consumers.audit import audit_records, audit_run
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import TrainBatch
 
     cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
@@ -116,7 +116,7 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     # the histogram agrees with the audit over the same batches (the first `steps_scraped` steps)
     info = get_run(bootstrap, run_id)
     config = DoraConfig.from_json(info.config_json)
-    start = {p: o for (t, p), o in offsets_map(info).items() if t == topics.BATCHES}
+    start = topic_start(offsets_map(info), topics.BATCHES)
     batches: dict[int, TrainBatch] = {}
     for msg in read_all(bootstrap, topics.BATCHES, start):
         b = TrainBatch.decode(msg.value(), msg.headers())

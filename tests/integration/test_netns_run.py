@@ -110,14 +110,14 @@ def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> 
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import PolicyVersion
 
     report = audit_run(bootstrap, run_id)
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0
     assert sorted(claimed_indices(bootstrap, run_id).values()) == [0, 1]
-    start = {p: o for (t, p), o in offsets_map(get_run(bootstrap, run_id)).items() if t == topics.VERSIONS}
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.VERSIONS)
     holders = {h for m in read_all(bootstrap, topics.VERSIONS, start)
                for h in PolicyVersion.decode(m.value(), m.headers()).holders}
     lab_ips = {lab.ip(h) for h in ("trainer", "rollout-a", "rollout-b")}
@@ -199,7 +199,7 @@ def find_secrets(secrets: list[str], run_id: str, bootstrap: str, roots: list[Pa
     (key, value, headers) of the run on every topic of the catalogue."""
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map
+    from dora_rl.infra.runs import get_run, offsets_map, topic_start
 
     needles = [s.encode() for s in secrets if s]
     found: list[str] = []
@@ -216,7 +216,7 @@ def find_secrets(secrets: list[str], run_id: str, bootstrap: str, roots: list[Pa
     start = offsets_map(get_run(bootstrap, run_id))
     records = 0
     for spec in topics.catalogue():
-        for msg in read_all(bootstrap, spec.name, {p: o for (t, p), o in start.items() if t == spec.name}):
+        for msg in read_all(bootstrap, spec.name, topic_start(start, spec.name)):
             records += 1
             blob = (msg.key() or b"") + (msg.value() or b"") + b"".join(v or b"" for _, v in (msg.headers() or []))
             found += [f"{spec.name}@{msg.partition()}:{msg.offset()}: secret #{i}"
