@@ -18,9 +18,18 @@ ROOT = Path(__file__).parent
 ROLE_FOLDERS = ("producers", "consumers", "schemas", "streams", "infra")
 
 
-def _packages() -> tuple[list[str], dict[str, str]]:
+DATA = {"schemas": ("*.avsc", "history/*/*.avsc", "golden/*/*.json"), "infra": ("kafka/pom.xml", "kafka/*.properties")}
+"""Package data, per role folder, as globs relative to it: the Avro schemas with their history and golden samples,
+the embedded broker's Maven file and properties."""
+
+
+def _packages() -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+    """Packages, their folders, and their data: a folder that holds data files only (``schemas/golden/Prompt``) is
+    declared as a package of its own with its files as its data, as setuptools asks (an undeclared data folder is
+    an "importable package absent from the packages configuration", warned once per folder at every install)."""
     packages = ["dora_rl"]
     package_dir = {"dora_rl": "dora_rl"}
+    package_data: dict[str, list[str]] = {}
     for init in sorted((ROOT / "dora_rl").glob("*/__init__.py")):
         if not init.parent.is_symlink():
             packages.append(f"dora_rl.{init.parent.name}")
@@ -30,8 +39,16 @@ def _packages() -> tuple[list[str], dict[str, str]]:
             name = "dora_rl." + ".".join(rel.parts)
             packages.append(name)
             package_dir[name] = rel.as_posix()
-    return packages, package_dir
+        for pattern in DATA.get(folder, ()):
+            for path in sorted((ROOT / folder).glob(pattern)):
+                rel = path.parent.relative_to(ROOT)
+                name = "dora_rl." + ".".join(rel.parts)
+                if name not in package_dir:
+                    packages.append(name)
+                    package_dir[name] = rel.as_posix()
+                package_data.setdefault(name, []).append(path.name)
+    return packages, package_dir, package_data
 
 
-PACKAGES, PACKAGE_DIR = _packages()
-setup(packages=PACKAGES, package_dir=PACKAGE_DIR)
+PACKAGES, PACKAGE_DIR, PACKAGE_DATA = _packages()
+setup(packages=PACKAGES, package_dir=PACKAGE_DIR, package_data=PACKAGE_DATA)
