@@ -84,8 +84,8 @@ class Workload:
     """The MoE-imbalance variant's spread of instance speeds (``EmulatedParams.instance_speed_sigma``;
     0: the paper's dense model)."""
 
-    def params(self, eff: Efficiencies, seed: int) -> EmulatedParams:
-        return rollout_params(H800, QWEN25_32B, eff, TP, self.max_num_seqs, seed=seed,
+    def params(self, eff: Efficiencies, seed: int, tp: int = TP, hop_latency_s: float = 0.0) -> EmulatedParams:
+        return rollout_params(H800, QWEN25_32B, eff, tp, self.max_num_seqs, seed=seed, hop_latency_s=hop_latency_s,
                               length_median=self.length_median, sigma=self.sigma, cap_fraction=self.cap_fraction,
                               instance_speed_sigma=self.instance_speed_sigma)
 
@@ -104,12 +104,18 @@ class Setting:
     """vLLM's ``max_num_seqs`` per instance (the scheduler's slots; KV capacity may hold fewer)."""
     repartition: str = "migrate"
     """DORA's ``repartition_policy`` (``migrate`` or ``drain``, decision 0029)."""
+    tp: int = TP
+    """GPUs per rollout instance (``bench/paper_tp.py`` varies it; every other bench keeps the recipe's 4)."""
+    hop_latency_s: float = 0.0
+    """All-reduce hop latency, used only at ``tp != 4`` (``hardware_costs.step_overhead_s``)."""
 
     @property
     def name(self) -> str:
         lay = "colocated" if self.colocated else f"{self.rollout_gpus}r+{self.train_gpus}t"
         policy = " drain" if self.repartition == "drain" else ""
-        return f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}{policy}"
+        tp = "" if self.tp == TP else f" tp={self.tp} hop={self.hop_latency_s * 1e6:g}us"
+        return (f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}"
+                f"{policy}{tp}")
 
 
 def settings(mode: str, gpus: int) -> list[Setting]:
@@ -130,8 +136,8 @@ def settings(mode: str, gpus: int) -> list[Setting]:
 def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str, Any]:
     """Simulate one setting and seed; the figures of the steady steps."""
     w = replace(w, max_num_seqs=setting.max_num_seqs)
-    p = w.params(eff, seed)
-    n_inst = setting.rollout_gpus // TP
+    p = w.params(eff, seed, setting.tp, setting.hop_latency_s)
+    n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
     cfg = DoraConfig.from_dict({
         "mode": setting.mode, "max_staleness": setting.staleness, "steps": w.steps, "train_batch_size": w.tbs,
@@ -142,7 +148,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
-                     switch_s=switch_seconds(H800, QWEN25_32B, TP, colocated=setting.colocated))
+                     switch_s=switch_seconds(H800, QWEN25_32B, setting.tp, colocated=setting.colocated))
     except RuntimeError as exc:
         raise RuntimeError(f"{setting.name}, seed {seed}, {w.steps} steps: {exc}") from exc
     return figures(r, setting, w, n_inst)
@@ -158,10 +164,11 @@ def figures(r: SimResult, setting: Setting, w: Workload, n_inst: int) -> dict[st
     gpu_s = gpus * r.wall_s
     lost = r.lost
     train_gpu_s = r.trainer_busy_s * setting.train_gpus
-    idle = lost.idle_s * TP - (train_gpu_s if setting.colocated else 0.0)
-    parts = {"train": train_gpu_s, "decode": (lost.decode_s - lost.intra_bubble_s) * TP,
-             "intra_instance_bubble": lost.intra_bubble_s * TP, "prefill": lost.prefill_s * TP,
-             "re_prefill": lost.reprefill_s * TP, "weight_sync": lost.switch_s * TP,
+    tp = setting.tp
+    idle = lost.idle_s * tp - (train_gpu_s if setting.colocated else 0.0)
+    parts = {"train": train_gpu_s, "decode": (lost.decode_s - lost.intra_bubble_s) * tp,
+             "intra_instance_bubble": lost.intra_bubble_s * tp, "prefill": lost.prefill_s * tp,
+             "re_prefill": lost.reprefill_s * tp, "weight_sync": lost.switch_s * tp,
              "inter_instance_bubble": max(0.0, idle),
              "trainer_wait": 0.0 if setting.colocated else (r.wall_s - r.trainer_busy_s) * setting.train_gpus}
     return {"step_time_s": span / len(steps), "throughput": sum(r.step_tokens[k0:]) / span,
@@ -171,9 +178,11 @@ def figures(r: SimResult, setting: Setting, w: Workload, n_inst: int) -> dict[st
             "gpu_time_share": {k: v / gpu_s for k, v in parts.items()}, "instances": n_inst}
 
 
-def bound(gpus: int, w: Workload, eff: Efficiencies, seed: int = 0) -> dict[str, Any]:
-    """The bubble-free throughput bound (formula in the module docstring), best layout."""
-    p = w.params(eff, seed)
+def bound(gpus: int, w: Workload, eff: Efficiencies, seed: int = 0, tp: int = TP,
+          hop_latency_s: float = 0.0) -> dict[str, Any]:
+    """The bubble-free throughput bound (formula in the module docstring), best layout, instances of ``tp``
+    GPUs."""
+    p = w.params(eff, seed, tp, hop_latency_s)
     lengths = sample_lengths(20_000, p, w.cap, w.group).astype(float)
     mean_l = float(lengths.mean())
     ctx = w.prompt + float((lengths ** 2).mean()) / (2 * mean_l)
@@ -181,13 +190,13 @@ def bound(gpus: int, w: Workload, eff: Efficiencies, seed: int = 0) -> dict[str,
 
     def rollout(r: int) -> float:
         per_token = step_time(slots, w.max_num_seqs, p, int(slots * ctx)) / slots + prefill_time(w.prompt, p) / mean_l
-        return (r // TP) / per_token
+        return (r // tp) / per_token
 
     def trainer(t: int) -> float:
         return mean_l / ((mean_l + w.prompt) * train_seconds_per_token(H800, QWEN25_32B, eff, t))
 
     layouts = {"colocated": 1.0 / (1.0 / rollout(gpus) + 1.0 / trainer(gpus))}
-    for r in range(TP, gpus, TP):
+    for r in range(tp, gpus, tp):
         layouts[f"{r}r+{gpus - r}t"] = min(rollout(r), trainer(gpus - r))
     best = max(layouts, key=lambda k: layouts[k])
     return {"tokens_per_s": layouts[best], "layout": best, "mean_length": mean_l, "busy_slot_context": ctx,

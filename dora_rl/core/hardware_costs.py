@@ -17,7 +17,11 @@ parameter, ``TP`` GPUs per rollout instance, ``BW`` HBM bandwidth, ``F`` dense b
 * training per token: ``flops_per_param_token * P / (N_train * F * mfu_train)`` with 6 (forward +
   backward) + 2 (the old policy's log-probs recomputed) = 8 flops per parameter and token;
 * a version switch: the weights pulled over the instance's network, ``P * B / (TP * net_bw)``, plus
-  loading them; colocated (sync, same GPUs) it is a reshard over NVLink.
+  loading them; colocated (sync, same GPUs) it is a reshard over NVLink;
+* the per-step overhead at another TP than the frozen one's 4 (:func:`step_overhead_s`): the frozen
+  ``step_overhead_s`` (TP 4) plus the change in the TP all-reduces, 2 per layer of ``seqs * hidden * B``
+  bytes, each as a ring: ``2 (TP - 1)`` hops of ``hop_latency_s`` and ``2 (TP - 1) / TP`` of the message
+  per GPU over NVLink (:func:`allreduce_s_per_step`).
 """
 
 from __future__ import annotations
@@ -101,14 +105,43 @@ class Efficiencies:
     """vLLM ``gpu_memory_utilization``: the share of HBM for weights + KV cache."""
 
 
+FROZEN_TP = 4
+"""The TP at which ``Efficiencies.step_overhead_s`` was set (and every paper-setup figure measured)."""
+
+
+def allreduce_s_per_step(acc: Accelerator, model: Model, tp: int, seqs: int, hop_latency_s: float) -> float:
+    """Seconds of one decode step's TP all-reduces at ``seqs`` sequences, modelled as rings (module
+    docstring); 0 at TP 1. An upper bound where the all-reduce is one-shot over NVSwitch (vLLM's custom
+    all-reduce for small messages), whose latency grows less with TP than a ring's."""
+    if tp <= 1:
+        return 0.0
+    message = seqs * model.hidden * model.bytes_per_param
+    one = 2 * (tp - 1) * hop_latency_s + 2 * (tp - 1) / tp * message / acc.nvlink_bw
+    return 2 * model.layers * one
+
+
+def step_overhead_s(acc: Accelerator, model: Model, eff: Efficiencies, tp: int, seqs: int,
+                    hop_latency_s: float = 0.0) -> float:
+    """The per-decode-step overhead at ``tp``: the frozen ``eff.step_overhead_s`` (set for TP
+    :data:`FROZEN_TP`, so ``tp == 4`` gives it exactly) plus what the all-reduces cost more (or less) at
+    ``tp`` than at TP 4 (:func:`allreduce_s_per_step`). ``hop_latency_s`` is not known from a datasheet: the
+    TP sensitivity bench sweeps it (``bench/paper_tp.py``)."""
+    if tp == FROZEN_TP:
+        return eff.step_overhead_s
+    extra = (allreduce_s_per_step(acc, model, tp, seqs, hop_latency_s)
+             - allreduce_s_per_step(acc, model, FROZEN_TP, seqs, hop_latency_s))
+    return max(0.0, eff.step_overhead_s + extra)
+
+
 def rollout_params(acc: Accelerator, model: Model, eff: Efficiencies, tp: int, max_num_seqs: int,
-                   seed: int = 0, **lengths: float) -> EmulatedParams:
+                   seed: int = 0, hop_latency_s: float = 0.0, **lengths: float) -> EmulatedParams:
     """The emulated engine's costs for one rollout instance of ``tp`` GPUs (formulas in the module
-    docstring); ``lengths`` are :class:`EmulatedParams`' length-model fields."""
+    docstring); ``lengths`` are :class:`EmulatedParams`' length-model fields; ``hop_latency_s`` matters only
+    at a TP other than 4 (:func:`step_overhead_s`)."""
     bw = tp * acc.hbm_bw * eff.mem_eff
     flops_decode = tp * acc.bf16_flops * eff.decode_mfu
     flops_prefill = tp * acc.bf16_flops * eff.prefill_mfu
-    w = model.weight_bytes / bw + eff.step_overhead_s
+    w = model.weight_bytes / bw + step_overhead_s(acc, model, eff, tp, max_num_seqs, hop_latency_s)
     compute = 2.0 * model.active_params * max_num_seqs / flops_decode
     kv_tokens = int((tp * acc.hbm_bytes * eff.kv_mem_fraction - model.weight_bytes) / model.kv_bytes_per_token)
     if kv_tokens <= 0:

@@ -117,3 +117,24 @@ def test_the_emulated_engine_waits_for_kv_room_preempts_and_still_returns_the_sa
     assert {r.request_id: r.token_ids for r in got} == free, "preempted sequences resume exactly"
     assert tight.preemptions > 0 and roomy.preemptions == 0
     assert tight.model_time_s > roomy.model_time_s
+
+
+def test_step_overhead_is_the_frozen_one_at_tp4_and_grows_with_tp_and_hop_latency() -> None:
+    """``hardware_costs.step_overhead_s``: TP 4 gives the frozen overhead whatever the hop latency (every
+    paper-setup figure is unchanged); TP 8 adds the ring all-reduce's extra (bandwidth: 0.25 of the message
+    more per all-reduce, 2 per layer; latency: 8 hops more), so it grows with the hop latency."""
+    from dora_rl.core.hardware_costs import H800, QWEN25_32B, Efficiencies, rollout_params, step_overhead_s
+
+    eff = Efficiencies()
+    for hop in (0.0, 2e-6):
+        assert step_overhead_s(H800, QWEN25_32B, eff, 4, 256, hop) == eff.step_overhead_s
+    message = 256 * QWEN25_32B.hidden * 2
+    extra_bw = 2 * QWEN25_32B.layers * (2 * 7 / 8 - 2 * 3 / 4) * message / H800.nvlink_bw
+    assert step_overhead_s(H800, QWEN25_32B, eff, 8, 256, 0.0) == pytest.approx(eff.step_overhead_s + extra_bw)
+    assert step_overhead_s(H800, QWEN25_32B, eff, 8, 256, 2e-6) == pytest.approx(
+        eff.step_overhead_s + extra_bw + 2 * QWEN25_32B.layers * 8 * 2e-6)
+    p4 = rollout_params(H800, QWEN25_32B, eff, 4, 256)
+    assert p4 == rollout_params(H800, QWEN25_32B, eff, 4, 256, hop_latency_s=5e-6)
+    # TP 8: half the weight read per GPU, so a faster step and more KV room per instance than TP 4
+    p8 = rollout_params(H800, QWEN25_32B, eff, 8, 256)
+    assert p8.base_step_s < p4.base_step_s and p8.kv_capacity_tokens > 2 * p4.kv_capacity_tokens
