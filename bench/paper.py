@@ -118,19 +118,22 @@ class Setting:
                 f"{policy}{tp}")
 
 
-def settings(mode: str, gpus: int) -> list[Setting]:
+def settings(mode: str, gpus: int, tps: tuple[int, ...] = (TP,), hop_us: float = 0.0) -> list[Setting]:
     """The sweep of ``mode`` on ``gpus`` GPUs: sync colocated; the asynchronous modes over the split of
     rollout and trainer GPUs, their usual over-provisioning and vLLM's ``max_num_seqs`` (128 / 256); DORA
-    also over its re-partition policy (``migrate`` / ``drain``)."""
+    also over its re-partition policy (``migrate`` / ``drain``); every one at each TP of ``tps`` (the all-reduce
+    hop latency ``hop_us`` at a TP other than 4, decision 0041)."""
     seqs = (128, 256)
+    hop = {tp: 0.0 if tp == TP else hop_us * 1e-6 for tp in tps}
     if mode == "sync":
-        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=n) for n in seqs]
+        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=n, tp=tp, hop_latency_s=hop[tp])
+                for tp in tps for n in seqs]
     splits = [gpus // 2, 5 * gpus // 8, 3 * gpus // 4]
     factors = {"one_step_off": [2.0], "partial": [1.5, 2.0], "dora": [2.0, 3.0]}[mode]
     s = {"one_step_off": 1, "partial": 0, "dora": 2}[mode]
     policies = ("migrate", "drain") if mode == "dora" else ("migrate",)
-    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n, repartition=pol)
-            for r in splits for f in factors for n in seqs for pol in policies]
+    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n, repartition=pol, tp=tp, hop_latency_s=hop[tp])
+            for tp in tps for r in splits if r % tp == 0 for f in factors for n in seqs for pol in policies]
 
 
 def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str, Any]:
@@ -230,7 +233,8 @@ def run_many(jobs: list[tuple[Setting, Workload, Efficiencies, int]], workers: i
 
 def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: Any = print,
              sweep_seeds: list[int] | None = None, workers: int = 1,
-             best: dict[str, Setting] | None = None) -> dict[str, Any]:
+             best: dict[str, Setting] | None = None, tps: tuple[int, ...] = (TP,),
+             hop_us: float = 0.0) -> dict[str, Any]:
     """Each mode's sweep (every setting on ``sweep_seeds``, default the first seed), its best setting by
     mean throughput re-run on every seed; ratios (mean and per-seed spread), the bound, GPU-time shares.
     ``best`` skips the sweep (the settings chosen earlier, e.g. while fitting)."""
@@ -238,7 +242,7 @@ def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: A
     out: dict[str, Any] = {"gpus": gpus, "sweep": {}, "best": {}, "seeds": seeds, "sweep_seeds": sweep_seeds}
     chosen: dict[str, Setting] = dict(best or {})
     if best is None:
-        grid = [st for mode in MODES for st in settings(mode, gpus)]
+        grid = [st for mode in MODES for st in settings(mode, gpus, tps, hop_us)]
         runs = run_many([(st, w, eff, s) for st in grid for s in sweep_seeds], workers)
         for i, st in enumerate(grid):
             rs = runs[i * len(sweep_seeds):(i + 1) * len(sweep_seeds)]
@@ -259,7 +263,8 @@ def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: A
         log(f"  {gpus} GPUs best {chosen[m].name:44s} step {agg[m]['step_time_s']['mean']:7.1f}s  thr "
             f"{agg[m]['throughput']['mean']:8.0f} tok/s  rollout phase {agg[m]['rollout_phase_s']['mean']:6.1f}s")
     out["modes"] = agg
-    b = bound(gpus, w, eff)
+    b = max((bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == TP else hop_us * 1e-6) for tp in tps),
+            key=lambda x: x["tokens_per_s"])  # the best over the TPs swept
     out["bound"] = b
     out["fraction_of_bound"] = {m: a["throughput"]["mean"] / b["tokens_per_s"] for m, a in agg.items()}
 

@@ -86,7 +86,8 @@ def drive(args: argparse.Namespace) -> int:
                            "args": vars(args), "workload": asdict(w), "tolerance": TOLERANCE}
     if args.fit:
         print(f"fit: sweep at 64 GPUs (train_mfu {mfu}) to pick each mode's setting", flush=True)
-        first = paper.evaluate(64, w, replace(Efficiencies(), train_mfu=mfu), args.seeds[:1], workers=args.workers)
+        first = paper.evaluate(64, w, replace(Efficiencies(), train_mfu=mfu), args.seeds[:1], workers=args.workers,
+                               tps=tuple(args.tps), hop_us=args.hop_us)
         mfu, tried = paper.fit_train_mfu(w, args.seeds[:1], FIT_GRID, first["chosen"], workers=args.workers)
         out["fit"] = {"grid": FIT_GRID, "tried": tried, "settings": first["best"], "seeds": args.seeds[:1],
                       "train_mfu": mfu}
@@ -96,7 +97,7 @@ def drive(args: argparse.Namespace) -> int:
     results: dict[int, dict[str, Any]] = {}
     for gpus in args.gpus:
         print(f"{gpus} GPUs: sweep, then the best settings on seeds {args.seeds}", flush=True)
-        res = paper.evaluate(gpus, w, eff, args.seeds, workers=args.workers)
+        res = paper.evaluate(gpus, w, eff, args.seeds, workers=args.workers, tps=tuple(args.tps), hop_us=args.hop_us)
         res["chosen"] = {m: asdict(s) for m, s in res["chosen"].items()}
         results[gpus] = res
     out["results"] = {str(g): r for g, r in results.items()}
