@@ -23,6 +23,11 @@ DATA = {"schemas": ("*.avsc", "history/*/*.avsc", "golden/*/*.json"), "infra": (
 the embedded broker's Maven file and properties."""
 
 
+def _name(folder: Path) -> str:
+    """The ``dora_rl.*`` package name of a folder below the root (``schemas/golden`` -> ``dora_rl.schemas.golden``)."""
+    return "dora_rl." + ".".join(folder.relative_to(ROOT).parts)
+
+
 def _packages() -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
     """Packages, their folders, and their data: a folder that holds data files only (``schemas/golden/Prompt``) is
     declared as a package of its own with its files as its data, as setuptools asks (an undeclared data folder is
@@ -35,17 +40,15 @@ def _packages() -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
             packages.append(f"dora_rl.{init.parent.name}")
     for folder in ROLE_FOLDERS:
         for init in sorted((ROOT / folder).rglob("__init__.py")):
-            rel = init.parent.relative_to(ROOT)
-            name = "dora_rl." + ".".join(rel.parts)
+            name = _name(init.parent)
             packages.append(name)
-            package_dir[name] = rel.as_posix()
+            package_dir[name] = init.parent.relative_to(ROOT).as_posix()
         for pattern in DATA.get(folder, ()):
             for path in sorted((ROOT / folder).glob(pattern)):
-                rel = path.parent.relative_to(ROOT)
-                name = "dora_rl." + ".".join(rel.parts)
+                name = _name(path.parent)
                 if name not in package_dir:
                     packages.append(name)
-                    package_dir[name] = rel.as_posix()
+                    package_dir[name] = path.parent.relative_to(ROOT).as_posix()
                 package_data.setdefault(name, []).append(path.name)
     return packages, package_dir, package_data
 

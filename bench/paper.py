@@ -107,7 +107,7 @@ class Setting:
     tp: int = TP
     """GPUs per rollout instance (``bench/paper_tp.py`` varies it; every other bench keeps the recipe's 4)."""
     hop_latency_s: float = 0.0
-    """All-reduce hop latency, used only at ``tp != 4`` (``hardware_costs.step_overhead_s``)."""
+    """All-reduce hop latency; it changes nothing at ``tp == 4`` (``hardware_costs.step_overhead_s``)."""
 
     @property
     def name(self) -> str:
@@ -124,15 +124,15 @@ def settings(mode: str, gpus: int, tps: tuple[int, ...] = (TP,), hop_us: float =
     also over its re-partition policy (``migrate`` / ``drain``); every one at each TP of ``tps`` (the all-reduce
     hop latency ``hop_us`` at a TP other than 4, decision 0041)."""
     seqs = (128, 256)
-    hop = {tp: 0.0 if tp == TP else hop_us * 1e-6 for tp in tps}
+    hop = hop_us * 1e-6  # no effect at TP 4 (hardware_costs.step_overhead_s)
     if mode == "sync":
-        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=n, tp=tp, hop_latency_s=hop[tp])
+        return [Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=n, tp=tp, hop_latency_s=hop)
                 for tp in tps for n in seqs]
     splits = [gpus // 2, 5 * gpus // 8, 3 * gpus // 4]
     factors = {"one_step_off": [2.0], "partial": [1.5, 2.0], "dora": [2.0, 3.0]}[mode]
     s = {"one_step_off": 1, "partial": 0, "dora": 2}[mode]
     policies = ("migrate", "drain") if mode == "dora" else ("migrate",)
-    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n, repartition=pol, tp=tp, hop_latency_s=hop[tp])
+    return [Setting(mode, s, f, r, gpus - r, max_num_seqs=n, repartition=pol, tp=tp, hop_latency_s=hop)
             for tp in tps for r in splits if r % tp == 0 for f in factors for n in seqs for pol in policies]
 
 
@@ -263,7 +263,7 @@ def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: A
         log(f"  {gpus} GPUs best {chosen[m].name:44s} step {agg[m]['step_time_s']['mean']:7.1f}s  thr "
             f"{agg[m]['throughput']['mean']:8.0f} tok/s  rollout phase {agg[m]['rollout_phase_s']['mean']:6.1f}s")
     out["modes"] = agg
-    b = max((bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == TP else hop_us * 1e-6) for tp in tps),
+    b = max((bound(gpus, w, eff, tp=tp, hop_latency_s=hop_us * 1e-6) for tp in tps),
             key=lambda x: x["tokens_per_s"])  # the best over the TPs swept
     out["bound"] = b
     out["fraction_of_bound"] = {m: a["throughput"]["mean"] / b["tokens_per_s"] for m, a in agg.items()}

@@ -47,7 +47,7 @@ def chosen_settings(result: dict[str, Any], gpus: int) -> dict[str, paper.Settin
 
 
 def at_tp(st: paper.Setting, tp: int, hop_us: float) -> paper.Setting:
-    return replace(st, tp=tp, hop_latency_s=0.0 if tp == paper.TP else hop_us * 1e-6)
+    return replace(st, tp=tp, hop_latency_s=hop_us * 1e-6)  # the hop changes nothing at TP 4
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     src = json.loads(Path(a.source).read_text())
     seeds = list(src["results"][str(a.gpus[0])]["seeds"])
-    mfu = float(src["fit"]["train_mfu"]) if src.get("fit") else float(src["efficiencies"]["train_mfu"])
-    eff = replace(paper.Efficiencies(), **{**src["efficiencies"], "train_mfu": mfu})
+    eff = replace(paper.Efficiencies(), **src["efficiencies"])  # the source's frozen (fitted) efficiencies
+    mfu = eff.train_mfu
     w = replace(paper.Workload(), **{k: v for k, v in src["workload"].items() if k in {f.name for f in
                                                                                      fields(paper.Workload)}})
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         for hop in a.hops:
             rows = {m: {paper.TP: size["tp4"][m], **{tp: summarize(got[(m, tp, hop)]) for tp in a.tps}}
                     for m in paper.MODES}
-            bound = max(paper.bound(gpus, w, eff, tp=tp, hop_latency_s=hop * 1e-6 if tp != paper.TP else 0.0)
-                        ["tokens_per_s"] for tp in [paper.TP, *a.tps])
+            bound = max(paper.bound(gpus, w, eff, tp=tp, hop_latency_s=hop * 1e-6)["tokens_per_s"]
+                        for tp in [paper.TP, *a.tps])
             cmp = compare(rows, bound)
             size["by_hop"][str(hop)] = {"rows": {m: {str(tp): r for tp, r in by.items()} for m, by in rows.items()},
                                         "compare": cmp}
