@@ -9,6 +9,11 @@ equal rewards, so advantage 0, and uneven micro-batch counts, so the dummy passe
   forwards, other float rounding) to 1e-4;
 * restored: the synced model/optimizer saved with ``full_*_state_dict`` and loaded into a fresh
   sharded model with ``load_full_state``, then one more update on both — must stay identical;
+* bf16: the synced training again under the trainer's bf16 precision (autocast over fp32 master weights)
+  — must match 1 rank under the same precision as closely as 1 rank matches itself when only its
+  micro-batch split changes (bf16 GEMMs round each micro-batch's weight gradient to bf16, so no split
+  of the rows is exact; measured 3.9e-3 max-abs against 4.0e-3 moved on this toy, where 2 AdamW steps
+  from a fresh state are nearly sign steps: docs/decisions/0042). Compared by ``‖Δθ_a − Δθ_b‖ / ‖Δθ_b‖``;
 * unsynced (negative control): the same, but FSDP's gradient reduce-scatter replaced by a local copy
   (each rank keeps its own gradient shard) — must NOT match, so the gradient sum is what makes them match.
 """
@@ -39,7 +44,9 @@ from dora_rl.consumers.trainer.distributed import (
     load_full_state,
     shard_model,
 )
+from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer.grpo import sequence_logprobs
+from dora_rl.consumers.trainer.step import precision
 from dora_rl.consumers.trainer.update import Sample, group_minibatches, policy_update, rank_rows
 from dora_rl.modeling import build_tiny_model, load_policy
 
@@ -48,6 +55,7 @@ torch.set_num_threads(1)
 TOL = 1e-5
 KW: dict[str, Any] = dict(minibatches=2, micro_tokens=40, grad_clip=1.0)
 STEPS: list[dict[str, Any]] = [dict(seed=0), dict(seed=1, decoupled=True)]  # "2 steps" of the issue
+BF16 = DoraConfig(dtype="bf16").validate()
 STAT_KEYS = ("loss", "clip_frac", "approx_kl", "ratio_mean", "ratio_max", "grad_norm", "tis_weight_mean")
 
 
@@ -113,9 +121,12 @@ def _worker(rank: int, world: int, port: int, model_dir: Path, samples: list[Sam
         after, after_restored = full_state_dict(model), full_state_dict(restored)
         unsynced_model, _, _ = _train(model_dir, batch, dp, sync=False)
         unsynced = full_state_dict(unsynced_model)
+        with precision(BF16):
+            bf16_model, _, _ = _train(model_dir, batch, dp, sync=True)
+        bf16 = full_state_dict(bf16_model)
         if rank == 0:
             torch.save(dict(synced=synced, stats=stats, after=after, after_restored=after_restored,
-                            unsynced=unsynced), out)
+                            unsynced=unsynced, bf16=bf16), out)
     finally:
         dist.destroy_process_group()
 
@@ -135,6 +146,25 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+WHOLE = {**KW, "micro_tokens": 10_000}  # the same update, each minibatch in one micro-batch
+
+
+def _bf16_one_rank(model_dir: Path, samples: list[Sample], kw: dict[str, Any]) -> torch.nn.Module:
+    model, _ = load_policy(model_dir)
+    opt = _optimizer(model)
+    with precision(BF16):
+        for step in STEPS:
+            policy_update(model, opt, samples, dp=DataParallel(0, 1), **kw, **step)
+    return model
+
+
+def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> float:
+    """``‖a − b‖ / ‖b − initial‖`` over every tensor: two updates' difference relative to the update's size."""
+    num = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in b)
+    den = sum(float((b[k].float() - initial[k].float()).norm() ** 2) for k in b)
+    return (num / den) ** 0.5
+
+
 def test_two_gloo_ranks_match_one_rank_on_the_union_and_unsynced_do_not(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     model_dir = build_tiny_model(tmp_path / "m", "1m", seed=0)
@@ -148,6 +178,7 @@ def test_two_gloo_ranks_match_one_rank_on_the_union_and_unsynced_do_not(tmp_path
     ref = _snapshot(model)
     policy_update(model, opt, samples, dp=one, **KW, seed=2)
     ref_after = _snapshot(model)
+    bf16_model, bf16_whole = _bf16_one_rank(model_dir, samples, KW), _bf16_one_rank(model_dir, samples, WHOLE)
     shared_opt = _optimizer(shared)  # dp=None: the single-trainer path (shared prompt forwards)
     for step in STEPS:
         policy_update(shared, shared_opt, samples, **KW, **step)
@@ -160,7 +191,10 @@ def test_two_gloo_ranks_match_one_rank_on_the_union_and_unsynced_do_not(tmp_path
     moved = _max_diff(ref, initial)
     synced, unsynced = _max_diff(got["synced"], ref), _max_diff(got["unsynced"], ref)
     vs_shared = _max_diff(got["synced"], _snapshot(shared))
+    bf16_ranks = _rel_diff(got["bf16"], _snapshot(bf16_model), initial)
+    bf16_floor = _rel_diff(_snapshot(bf16_whole), _snapshot(bf16_model), initial)
     print(f"moved {moved:.3e} synced diff {synced:.3e} unsynced diff {unsynced:.3e} vs dp=None {vs_shared:.3e} "
+          f"bf16 2 ranks vs 1 (relative) {bf16_ranks:.3e}, 1 rank vs itself split otherwise {bf16_floor:.3e} "
           f"restored diff {_max_diff(got['after_restored'], got['after']):.3e} "
           f"{time.perf_counter() - t0:.1f}s")
     assert moved > 1e-3  # a non-trivial update
@@ -168,6 +202,7 @@ def test_two_gloo_ranks_match_one_rank_on_the_union_and_unsynced_do_not(tmp_path
     # dp=None runs a group's prompt once (KV cache shared by its samples): equal up to float rounding,
     # which 4 AdamW steps amplify to ~2e-5 here (AdamW divides by the gradients' own scale)
     assert vs_shared <= 1e-4
+    assert bf16_ranks <= max(bf16_floor, 1e-5)  # bf16: 2 ranks make the 1-rank update up to bf16's own split noise
     assert unsynced > 100 * TOL  # without the gradient sum the ranks do not make the 1-rank update
     for mine, theirs in zip(got["stats"], ref_stats, strict=True):
         for k in STAT_KEYS:
