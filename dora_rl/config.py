@@ -150,6 +150,19 @@ class DoraConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (trades ~30% more compute for activation memory)."""
 
+    micro_tokens: int = 0
+    """Tokens of one trainer micro-batch (forward + backward at once; gradients accumulate, so the update
+    is the same up to float rounding). 0: derived from the device's total memory on a GPU, 1024 on the
+    CPU (``consumers/trainer/throughput.py``); set it to replay a GPU run on a GPU of another size."""
+
+    packed: bool | None = None
+    """Trainer micro-batches as packed rows without padding (block-diagonal attention from position
+    resets) instead of padded rows with shared prompt forwards. Unset: packed on a GPU, padded on the CPU."""
+
+    engine_static_cache: bool = False
+    """Torch engine: decode with a KV cache of fixed width (shapes change only when it grows), so a GPU
+    plans its kernels rarely; the tokens are those of the default growing cache."""
+
     trainer_ranks: int = 1
     """Data-parallel ranks of the trainer role (FSDP2, ``torch.distributed``): N processes, rank 0 reads
     batches and announces versions; every rank trains its share of each minibatch's groups."""
@@ -258,6 +271,8 @@ class DoraConfig:
         if self.num_instances > self.max_instances:
             raise ValueError(f"num_instances ({self.num_instances}) must be <= max_instances ({self.max_instances}): "
                              "instance i reads partition i of the request topic")
+        if self.micro_tokens < 0:
+            raise ValueError(f"micro_tokens must be >= 0 (0: derived from the device), got {self.micro_tokens}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):

@@ -87,6 +87,16 @@ def _never_raises(fn: F) -> F:
 # -- trainer -------------------------------------------------------------------------------------
 
 
+STEP_GAUGES: dict[str, str] = {
+    "logprob_diff_mean": "Last step: mean |trainer - behaviour log-prob| over fresh tokens (train-inference mismatch)",
+    "logprob_diff_max": "Last step: max |trainer - behaviour log-prob| over fresh tokens",
+    "tis_weight_mean": "Last step: mean truncated importance weight (decoupled PPO)",
+    "update_tokens_per_s": "Last step: prompt + response tokens computed per second of the update",
+    "mfu": "Last step: model FLOPs utilisation of the update (6 * params * tokens / s / device peak)",
+}
+"""Trainer step metrics exported as gauges ``dora_trainer_<name>`` (name -> help)."""
+
+
 @dataclass
 class TrainerState:
     """What the trainer's families show; pure (fed by :func:`trained_batch` and its step metrics)."""
@@ -99,6 +109,8 @@ class TrainerState:
     trained_tokens: float = 0.0
     tokens_per_s: float | None = None
     last_step_s: float | None = None
+    gauges: dict[str, float] = field(default_factory=dict)
+    """The last step's value of each metric of :data:`STEP_GAUGES` seen."""
     _step_tokens: dict[int, float] = field(default_factory=dict)
     _last_batch_s: float | None = None
 
@@ -119,6 +131,8 @@ class TrainerState:
         """One of the trainer's step metrics (``reward_mean``, ``trained_tokens`` are used)."""
         if step is None:
             return
+        if name in STEP_GAUGES:
+            self.gauges[name] = value
         if name == "reward_mean":
             self.reward_mean = value
         elif name == "trained_tokens" and step not in self._step_tokens:
@@ -157,6 +171,8 @@ class TrainerState:
             out.append(GaugeMetricFamily("dora_trainer_tokens_per_second",
                                          "Last step's trained tokens / wall seconds since the step before",
                                          value=self.tokens_per_s))
+        out.extend(GaugeMetricFamily(f"dora_trainer_{name}", STEP_GAUGES[name], value=value)
+                   for name, value in sorted(self.gauges.items()))
         return out
 
 

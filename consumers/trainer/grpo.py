@@ -84,6 +84,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     pad_id: int = 0,
     share_prompts: bool = True,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of the responses: ``logp[b, t] = log softmax(logits / T)[response[b][t]]``.
 
@@ -93,8 +94,12 @@ def sequence_logprobs(
 
     With ``share_prompts`` (default) and repeated prompts (a GRPO group's samples), each distinct
     prompt is run once and its KV cache rows are repeated for its responses (gradients flow back
-    through the shared prefix); the result equals the plain path up to float rounding.
+    through the shared prefix); the result equals the plain path up to float rounding. With ``packed``
+    (:func:`packed_logprobs`) the rows are concatenated without padding instead; ``share_prompts`` is
+    then unused.
     """
+    if packed:
+        return packed_logprobs(model, prompt_ids, response_ids, temperature)
     dev = next(model.parameters()).device
     uniq: dict[tuple[int, ...], int] = {}
     row_u = [uniq.setdefault(tuple(p), len(uniq)) for p in prompt_ids]
@@ -115,6 +120,45 @@ def sequence_logprobs(
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     mask = attn[:, p_len:].to(torch.float32)
     return logp * mask, mask
+
+
+def packed_logprobs(
+    model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """:func:`sequence_logprobs` of the rows packed into one ``[1, T]`` row, ``T = sum(len(p) + len(r))``:
+    no padding. Each sequence's positions restart at 0, and no attention mask is passed, so the model
+    attends within each sequence only (HF derives the block-diagonal mask from the position resets;
+    flash-attention kernels run it as variable-length sequences). Only the positions that predict a
+    response token produce logits. Same result as the padded path up to float rounding (tested)."""
+    dev = next(model.parameters()).device
+    ids: list[int] = []
+    pos: list[int] = []
+    keep: list[int] = []  # packed positions whose logits predict a response token, row by row
+    for p, r in zip(prompt_ids, response_ids, strict=True):
+        if not p:
+            raise ValueError("empty prompt")
+        start = len(ids)
+        ids.extend(p)
+        ids.extend(r)
+        pos.extend(range(len(p) + len(r)))
+        keep.extend(range(start + len(p) - 1, start + len(p) - 1 + len(r)))
+    r_len = max(1, max(len(r) for r in response_ids))
+    n = len(response_ids)
+    targets = torch.full((n, r_len), 0, dtype=torch.long)
+    mask = torch.zeros((n, r_len), dtype=torch.float32)
+    for b, r in enumerate(response_ids):
+        targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[b, :len(r)] = 1.0
+    targets, mask = targets.to(dev), mask.to(dev)
+    logp = torch.zeros((n, r_len), dtype=torch.float32, device=dev)
+    if keep:
+        out = model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                    attention_mask=None, use_cache=False, logits_to_keep=torch.tensor(keep, device=dev))
+        logp_all = torch.log_softmax(out.logits[0].float() / temperature, dim=-1)  # [len(keep), V]
+        flat = logp_all.gather(-1, targets[mask > 0].unsqueeze(-1)).squeeze(-1)
+        logp = logp.masked_scatter(mask > 0, flat)
+    return logp, mask
 
 
 def _shared_prefix_logprobs(
@@ -243,17 +287,21 @@ def warmup_cosine_schedule(
 
 def micro_batches(
     order: list[int], prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], budget: int,
+    packed: bool = False,
 ) -> list[list[int]]:
-    """Split length-sorted ``order`` into runs whose padded size ``len * (max P + max R)`` <= budget."""
+    """Split length-sorted ``order`` into runs whose padded size ``len * (max P + max R)`` <= budget, or
+    (``packed``) whose token count ``sum(P + R)`` <= budget; a run holds at least one row."""
     out: list[list[int]] = []
     cur: list[int] = []
-    p_max = r_max = 0
+    p_max = r_max = used = 0
     for i in order:
         p, r = max(p_max, len(prompt_ids[i])), max(r_max, len(response_ids[i]))
-        if cur and (len(cur) + 1) * (p + r) > budget:
+        size = used + len(prompt_ids[i]) + len(response_ids[i]) if packed else (len(cur) + 1) * (p + r)
+        if cur and size > budget:
             out.append(cur)
-            cur, p, r = [], len(prompt_ids[i]), len(response_ids[i])
+            cur, p, r, used = [], len(prompt_ids[i]), len(response_ids[i]), 0
         cur.append(i)
+        used += len(prompt_ids[i]) + len(response_ids[i])
         p_max, r_max = p, r
     if cur:
         out.append(cur)

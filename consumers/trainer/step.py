@@ -12,7 +12,8 @@ re-trained step runs exactly the code of the original one (docs/decisions/0012, 
   ``warmup_cosine_schedule(optimizer, config.lr_warmup_steps)``.
 - :func:`train_step`: the batch's trajectories, in batch order, as :class:`~.update.Sample` (reward
   ``None`` is 0); :func:`~.update.policy_update` with every knob from ``config``, the seed
-  ``config.seed + batch.train_step`` (the only randomness of an update: the minibatch order) and
+  ``config.seed + batch.train_step`` (the only randomness of an update: the minibatch order), the
+  micro-batch budget :func:`~.throughput.resolved_micro_tokens` (packed on a GPU unless configured) and
   decoupled PPO iff ``config.decoupled_ppo`` and some trajectory is stale (staleness > 0), under
   :func:`precision` (bf16 autocast over fp32 master weights when ``config.dtype == "bf16"``). With
   ``dp`` (a rank of :mod:`.ranks`, sharded state) every rank applies the same batch and trains its share
@@ -39,6 +40,8 @@ from dora_rl.schemas.records import TrainBatch
 
 from .distributed import DataParallel, shard_model
 from .grpo import warmup_cosine_schedule
+from .precision import precision
+from .throughput import mfu, model_flops_per_token, peak_flops, resolved_micro_tokens
 from .update import Sample, policy_update
 
 
@@ -64,15 +67,17 @@ def build_state(config: DoraConfig, device: str | None = None, shard: bool = Fal
         model.gradient_checkpointing_enable()
     if shard:  # before the optimizer: FSDP2 replaces the parameters by their shards
         shard_model(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    fused = torch.device(device or config.device).type == "cuda"  # one kernel for every tensor's AdamW step
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=fused)
     lr_schedule = warmup_cosine_schedule(optimizer, config.lr_warmup_steps)
     return TrainerState(model, tok, optimizer, lr_schedule, int(tok.pad_token_id or 0))
 
 
 def samples_of(batch: TrainBatch) -> list[Sample]:
     """The batch's trajectories as update samples, in batch order (a missing reward counts as 0)."""
+    stale = batch.staleness()
     return [Sample(t.prompt_ids.tolist(), t.response_ids.tolist(), t.behaviour_logprobs.tolist(),
-                   float(t.reward or 0.0), t.group_id) for t in batch.trajectories]
+                   float(t.reward or 0.0), t.group_id, int(s)) for t, s in zip(batch.trajectories, stale, strict=True)]
 
 
 def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig,
@@ -81,32 +86,38 @@ def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig,
     ``staleness_max`` and ``staleness_mean`` of the batch. With ``dp`` collective: every rank calls it
     with the same batch (its ``state`` sharded by :func:`build_state`); the statistics are global."""
     stale = batch.staleness()
+    bf16 = config.dtype == "bf16"
+    micro = resolved_micro_tokens(config.micro_tokens, state.model, bf16, config.gradient_checkpointing)
+    dev = next(state.model.parameters()).device
     with precision(config):
         stats = policy_update(state.model, state.optimizer, samples_of(batch), loss=config.loss,
                               clip_eps=config.clip_eps, tis_cap=config.tis_cap, ppo_epochs=config.ppo_epochs,
                               minibatches=config.minibatches, temperature=config.temperature, pad_id=state.pad_id,
                               seed=config.seed + int(batch.train_step), lr_scheduler=state.lr_schedule,
-                              decoupled=config.decoupled_ppo and max(stale, default=0) > 0, dp=dp)
+                              decoupled=config.decoupled_ppo and max(stale, default=0) > 0, dp=dp,
+                              micro_tokens=micro, packed=packs(config, dev))
     stats["staleness_max"] = float(max(stale, default=0))
     stats["staleness_mean"] = float(sum(stale) / len(stale)) if stale else 0.0
+    stats.update(device_use(state.model, stats, bf16, micro))
     return stats
 
 
-@contextmanager
-def precision(config: DoraConfig) -> Iterator[None]:
-    """bf16 autocast on ``config.device`` when ``config.dtype == "bf16"`` (the weights, gradients and
-    AdamW state stay fp32: the master copy); a no-op for fp32.
+def packs(config: DoraConfig, device: torch.device) -> bool:
+    """Whether micro-batches are packed (``config.packed``, unset: on a GPU)."""
+    return config.packed if config.packed is not None else device.type == "cuda"
 
-    Invariant: every forward inside the context computes with the weights as they are at that forward.
-    Autocast's weight cache (``cache_enabled``) keeps the bf16 copy of each fp32 leaf weight until the
-    context exits, which is wrong here: the context spans a whole update of several optimizer steps, and
-    with the cache every minibatch after the first computed with the bf16 weights the update began with
-    (the PPO ratio stayed 1; measured on an H100: approx KL 0.0008 against 0.036, the update 0.64 of its
-    own size off fp32). So the cache is off: each forward casts the weights it uses (docs/decisions/0042).
-    """
-    with torch.autocast(device_type=torch.device(config.device).type, dtype=torch.bfloat16,
-                        enabled=config.dtype == "bf16", cache_enabled=False):
-        yield
+
+def device_use(model: torch.nn.Module, stats: dict[str, float], bf16: bool, micro: int) -> dict[str, float]:
+    """``update_tokens_per_s`` (prompt + response tokens computed / update wall time), ``mfu`` (when the
+    device's peak is known) and the ``micro_tokens`` used, for the step's metrics."""
+    out = {"micro_tokens": float(micro)}
+    if stats["update_s"] > 0:
+        out["update_tokens_per_s"] = stats["computed_tokens"] / stats["update_s"]
+    used = mfu(model_flops_per_token(model), stats["computed_tokens"], stats["update_s"],
+               peak_flops(next(model.parameters()).device, bf16))
+    if used is not None:
+        out["mfu"] = used
+    return out
 
 
 @contextmanager

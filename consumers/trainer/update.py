@@ -35,6 +35,12 @@ zero-loss dummy passes (one row of one token; they add exactly 0 to every gradie
 micro-batch is one model call (``share_prompts=False``): the shared-prompt path makes one or two calls
 depending on the rows, which would unbalance the collectives between ranks.
 
+Train-inference mismatch: in the first minibatch of the first epoch (no optimizer step yet, so the
+trainer's weights are the behaviour version's for a fresh trajectory) every fresh (``staleness == 0``)
+trained token gives ``|new_logp - behaviour_logp|``, the gap between what the engine sampled with and
+what the trainer computes for the same weights; ``logprob_diff_mean`` / ``logprob_diff_max`` over those
+tokens (a uniform random ``1 / minibatches`` of the groups; absent when none is fresh).
+
 Returns python-float statistics of the step (loss, clip fraction, approx KL, reward mean, tokens).
 """
 
@@ -61,6 +67,8 @@ class Sample:
     behaviour_logprobs: Sequence[float]
     reward: float
     group_id: str
+    staleness: int = 0
+    """Versions between the trajectory's oldest token and the update (0: fresh, on-policy)."""
 
 
 def trainable(samples: Sequence[Sample]) -> list[Sample]:
@@ -151,7 +159,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
                   ppo_epochs: int = 1, minibatches: int = 1, temperature: float = 1.0, pad_id: int = 0,
                   seed: int = 0, micro_tokens: int = 1024, grad_clip: float = 1.0, decoupled: bool = False,
                   lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                  dp: DataParallel | None = None) -> dict[str, float]:
+                  dp: DataParallel | None = None, packed: bool = False) -> dict[str, float]:
     """Apply one training step on ``samples`` (see the module docstring); returns statistics.
 
     With ``dp`` (``model`` sharded by :func:`~.distributed.shard_model`, ``optimizer`` over its sharded
@@ -161,7 +169,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     Stats: ``loss`` and ``grad_norm`` are means over optimizer steps; ``clip_frac``, ``approx_kl``,
     ``ratio_mean`` are token-weighted means over everything trained; ``ratio_max`` the maximum;
     ``optimizer_steps``; ``tis_weight_mean`` (decoupled only); ``reward_mean``/``reward_std``/
-    ``trained_tokens``/``response_len_mean`` of the batch; ``update_s`` the wall time.
+    ``trained_tokens``/``response_len_mean`` of the batch; ``update_s`` the wall time; ``computed_tokens``
+    (prompt + response tokens of every forward with a gradient) and ``logprob_diff_mean``/``_max`` (above).
+    ``packed``: micro-batches are packed rows without padding (:func:`~.grpo.packed_logprobs`), their
+    budget counted in real tokens.
     Under ``dp`` every figure but ``update_s`` (this rank's wall time) is the global one, the same on
     every rank: the per-step losses and the token-weighted sums are summed over the ranks (all-reduce),
     ``ratio_max`` is their maximum, and the gradient norm is already global (FSDP's DTensor gradients).
@@ -198,7 +209,9 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
         with torch.no_grad():
             for _ in range(max(counts) - counts[dp.rank]):
                 _dummy_pass(model, samples[0], temperature, pad_id, backward=False)
-    seen_tokens, ratio_max = 0.0, 1.0
+    seen_tokens, ratio_max, computed = 0.0, 1.0, 0
+    mismatch = Mismatch()
+    first_step = True
     losses: list[float] = []
     norms: list[float] = []
     model.train()
@@ -207,19 +220,22 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
             mb_tokens = float(sum(len(responses[i]) for i in chunk))  # the WHOLE minibatch's, on every rank
             if dp is None:
                 micros = micro_batches(prompt_order(samples, [i for i in chunk if i in live_set]), prompts,
-                                       responses, micro_tokens)
+                                       responses, micro_tokens, packed)
                 passes = len(micros)
             else:
                 per_rank = [micro_batches(prompt_order(samples, [i for i in rows if i in live_set]), prompts,
-                                          responses, micro_tokens) for rows in rank_rows(samples, chunk, dp)]
+                                          responses, micro_tokens, packed) for rows in rank_rows(samples, chunk, dp)]
                 micros, passes = per_rank[dp.rank], max(len(m) for m in per_rank)
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for micro in micros:
                 new_logp, mask = sequence_logprobs(model, [prompts[i] for i in micro],
                                                    [responses[i] for i in micro], temperature=temperature,
-                                                   pad_id=pad_id, share_prompts=dp is None)
+                                                   pad_id=pad_id, share_prompts=dp is None, packed=packed)
                 beh = _pad_rows(micro, behaviour, new_logp)
+                computed += sum(len(prompts[i]) + len(responses[i]) for i in micro)
+                if first_step:
+                    mismatch.add(new_logp, beh, mask, [samples[i].staleness == 0 for i in micro])
                 prox = _pad_rows(micro, proximal, new_logp) if decoupled else None
                 loss_t, st = ppo_clip_loss(new_logp, beh, adv[torch.as_tensor(micro)].to(dev), mask, clip_eps,
                                            tis_cap if decoupled else None, proximal_logp=prox, num_tokens=mb_tokens)
@@ -235,6 +251,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
             optimizer.step()
+            first_step = False
             if lr_scheduler is not None:
                 lr_scheduler.step()
             losses.append(total)
@@ -246,6 +263,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
         weighted = dict(zip(keys, summed[: len(keys)], strict=True))
         seen_tokens, losses = summed[len(keys)], summed[len(keys) + 1:]
         ratio_max = all_reduce_max(ratio_max, dp)
+        mismatch = mismatch.all_reduced(dp)
+        computed = int(all_reduce_sum([float(computed)], dp)[0])
     out = {k: v / seen_tokens if seen_tokens else 0.0 for k, v in weighted.items()}
     out.update(loss=float(np.mean(losses)), grad_norm=float(np.mean(norms)), ratio_max=ratio_max,
                optimizer_steps=float(len(losses)))
@@ -254,5 +273,36 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     out["reward_std"] = float(rewards.std())
     out["trained_tokens"] = float(sum(len(r) for r in responses))
     out["response_len_mean"] = out["trained_tokens"] / len(samples)
+    out["computed_tokens"] = float(computed)
+    out.update(mismatch.stats())
     out["update_s"] = time.perf_counter() - t0
     return out
+
+
+@dataclass
+class Mismatch:
+    """Running ``|new - behaviour|`` over fresh response tokens (sum, count, max)."""
+
+    total: float = 0.0
+    tokens: float = 0.0
+    largest: float = 0.0
+
+    def add(self, new_logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, fresh: list[bool]) -> None:
+        """Add the tokens of the rows marked ``fresh`` (``[B, R]`` tensors, ``mask`` 1 on real tokens)."""
+        if not any(fresh):
+            return
+        rows = mask * torch.tensor(fresh, dtype=mask.dtype, device=mask.device).unsqueeze(-1)
+        gap = (new_logp.detach() - behaviour).abs() * rows
+        self.total += float(gap.sum())
+        self.tokens += float(rows.sum())
+        self.largest = max(self.largest, float(gap.max()))
+
+    def all_reduced(self, dp: DataParallel) -> Mismatch:
+        total, tokens = all_reduce_sum([self.total, self.tokens], dp)
+        return Mismatch(total, tokens, all_reduce_max(self.largest, dp))
+
+    def stats(self) -> dict[str, float]:
+        """``logprob_diff_mean`` / ``logprob_diff_max``, or nothing when no fresh token was seen."""
+        if self.tokens == 0:
+            return {}
+        return {"logprob_diff_mean": self.total / self.tokens, "logprob_diff_max": self.largest}

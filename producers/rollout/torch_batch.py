@@ -15,6 +15,17 @@ writes one column in place instead of copying the whole cache (``DynamicLayer`` 
 step: most of a CPU decode step at large batch sizes), a joining row is written into its slot, and
 trimming moves a window. Models with other layer types (sliding windows, ...) keep their own layers:
 one padded prefill, row selection without trimming, no joining (:func:`mergeable` is False).
+
+Static mode (``new_cache(model, static=True)``, :class:`SlackLayer` ``static``): every decode step
+(a one-column update) sees keys, values and mask of the window's width rounded up to a multiple of
+:data:`STATIC_COLUMNS` (:meth:`SlackLayer.width`), not the window's exact width, so the decode
+step's tensor shapes change only when the window crosses a multiple of it (or the batch's row count
+changes) — what CUDA graphs and per-shape kernel planning need. The extra columns are the buffer's
+columns after the window's end: never written, zero (buffers are zero-allocated in this mode, so a
+masked column never holds a NaN, which a zero attention weight would still turn into a NaN), and
+masked out (:func:`feed` pads the mask with zeros on the right; :meth:`SlackLayer.get_mask_sizes`
+tells the model the same width). Positions are explicit, so those columns change no row's result.
+Prefill (multi-column updates) sees the exact window, as in the default (dynamic) mode.
 """
 
 from __future__ import annotations
@@ -26,21 +37,57 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+STATIC_COLUMNS = 256
+"""Static mode: a decode step's key width is the window's width rounded up to a multiple of this."""
+
 
 def _slack(n: int) -> int:
     return max(32, n)
 
 
+def _round_up(n: int) -> int:
+    return -(-n // STATIC_COLUMNS) * STATIC_COLUMNS
+
+
 class SlackLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are the window ``[:b, :, s:e]`` of larger buffers.
 
-    ``keys``/``values`` are always that window (``[B, H, n, D]`` views), so attention and the HF
-    bookkeeping see a plain layer; the buffers grow geometrically (amortized O(1) per token).
+    ``keys``/``values`` are always that window (``[B, H, n, D]`` views), so the HF bookkeeping sees a
+    plain layer; the buffers grow geometrically (amortized O(1) per token). :meth:`update` returns that
+    window too, or with ``static`` (see the module docstring) for a decode step ``kb[:b, :, s:s + w]``,
+    ``w`` = :meth:`width` ``(1)``; then every buffer column from ``e`` on is zero (in every row).
     """
 
     _kb: torch.Tensor | None = None
     _vb: torch.Tensor | None = None
     _b = _s = _e = 0
+
+    def __init__(self, static: bool = False) -> None:
+        super().__init__()
+        self.static = static
+        """Decode steps see a width rounded up to :data:`STATIC_COLUMNS`; buffers are zero-allocated."""
+
+    def width(self, t: int) -> int:
+        """Key columns the next update of ``t`` columns returns (and its mask must cover): the window
+        after it, rounded up to a multiple of :data:`STATIC_COLUMNS` for a static decode step (``t == 1``)."""
+        n = self._e - self._s + t
+        return _round_up(n) if self.static and t == 1 else n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if not self.static:
+            return super().get_mask_sizes(query_length)
+        return self.width(query_length), 0
+
+    def _room(self, t: int) -> int:
+        """Columns to leave after the window when (re)allocating so that ``t`` more fit, with slack:
+        geometric, or in static mode up to one :data:`STATIC_COLUMNS` past the next decode width."""
+        n = self._e - self._s
+        if self.static:
+            return _round_up(n + t) + STATIC_COLUMNS - n
+        return t + _slack(n + t)
+
+    def _new(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return like.new_zeros(shape) if self.static else like.new_empty(shape)
 
     def _set(self, kb: torch.Tensor, vb: torch.Tensor, b: int, s: int, e: int) -> None:
         if not self.is_initialized:
@@ -57,27 +104,29 @@ class SlackLayer(DynamicLayer):
         kb, vb = self._bufs()
         b, s, e = self._b, self._s, self._e
         shape = (max(rows, b), kb.shape[1], left + e - s + right, kb.shape[3])
-        nk, nv = kb.new_empty(shape), vb.new_empty(shape)
+        nk, nv = self._new(kb, shape), self._new(vb, shape)
         nk[:b, :, left:left + e - s] = kb[:b, :, s:e]
         nv[:b, :, left:left + e - s] = vb[:b, :, s:e]
         self._set(nk, nv, b, left, left + e - s)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``t`` columns to every row (a prefill or one decode step)."""
+        """Append ``t`` columns to every row (a prefill or one decode step); returns :meth:`width`
+        ``(t)`` columns from the window's start."""
         t = key_states.shape[-2]
         if self._kb is None:
-            shape = (key_states.shape[0], key_states.shape[1], t + _slack(t), key_states.shape[3])
-            self._set(key_states.new_empty(shape), value_states.new_empty(shape), key_states.shape[0], 0, 0)
+            shape = (key_states.shape[0], key_states.shape[1], self._room(t), key_states.shape[3])
+            self._set(self._new(key_states, shape), self._new(value_states, shape), key_states.shape[0], 0, 0)
         kb, vb = self._bufs()
         assert key_states.shape[0] == self._b, "a forward must feed every row of the batch"
-        if self._e + t > kb.shape[2]:
-            self._realloc(kb.shape[0], 0, t + _slack(self._e - self._s + t))
+        w = self.width(t)
+        if self._s + w > kb.shape[2]:
+            self._realloc(kb.shape[0], 0, self._room(t))
             kb, vb = self._bufs()
         kb[:self._b, :, self._e:self._e + t] = key_states
         vb[:self._b, :, self._e:self._e + t] = value_states
         self._set(kb, vb, self._b, self._s, self._e + t)
-        return kb[:self._b, :, self._s:self._e], vb[:self._b, :, self._s:self._e]
+        return kb[:self._b, :, self._s:self._s + w], vb[:self._b, :, self._s:self._s + w]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.select(indices, 0)
@@ -97,7 +146,7 @@ class SlackLayer(DynamicLayer):
         """``d`` more columns before the window, zero (left padding) in every row."""
         if self._s < d:
             kb, _ = self._bufs()
-            self._realloc(kb.shape[0], d, _slack(self._e - self._s))
+            self._realloc(kb.shape[0], d, self._room(0))
         kb, vb = self._bufs()
         kb[:self._b, :, self._s - d:self._s] = 0
         vb[:self._b, :, self._s - d:self._s] = 0
@@ -120,12 +169,12 @@ class SlackLayer(DynamicLayer):
         self._set(kb, vb, b, s, e)
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty cache for ``model``: :class:`SlackLayer` everywhere when every layer is a plain
-    ``DynamicLayer``, else the model's own layer types."""
+def new_cache(model: PreTrainedModel, static: bool = False) -> DynamicCache:
+    """An empty cache for ``model``: :class:`SlackLayer` everywhere (``static`` ones if asked) when
+    every layer is a plain ``DynamicLayer``, else the model's own layer types (``static`` ignored)."""
     cache = DynamicCache(config=model.config)
     if all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [SlackLayer() for _ in cache.layers]
+        cache.layers = [SlackLayer(static) for _ in cache.layers]
     return cache
 
 
@@ -155,13 +204,14 @@ class Batch:
 
 
 def prefill(model: PreTrainedModel, seqs: list[list[int]], rows: list[int], pad_id: int,
-            prefill_tokens: int) -> Batch:
+            prefill_tokens: int, static: bool = False) -> Batch:
     """A batch of ``seqs`` (row ``b`` is request ``rows[b]``) with its KV cache filled.
 
     Identical sequences (a GRPO group's copies of one prompt) are computed once and their cache rows
     repeated; distinct ones are computed in length-sorted chunks of at most ``prefill_tokens`` padded
     tokens, then left-padded to a common width ``W`` (padding masked out). Same result as one
-    left-padded forward over the whole batch, without its padding.
+    left-padded forward over the whole batch, without its padding. ``static``: the batch's cache is
+    in static mode (see the module docstring).
     """
     dev = next(model.parameters()).device
     width = max(len(s) for s in seqs)
@@ -170,7 +220,7 @@ def prefill(model: PreTrainedModel, seqs: list[list[int]], rows: list[int], pad_
         mask[b, width - len(s):] = 1
     mask = mask.to(dev)
     last_pos = torch.tensor([[len(s) - 1] for s in seqs], dtype=torch.long, device=dev)
-    cache = new_cache(model)
+    cache = new_cache(model, static)
     if not mergeable(cache):  # unknown layer types: one padded forward
         chunks_in: list[list[list[int]]] = [seqs]
         expand = list(range(len(seqs)))
@@ -283,10 +333,22 @@ def select(batch: Batch, keep: list[int]) -> Batch:
     return Batch([batch.rows[b] for b in keep], batch.cache, batch.logits[idx], mask, batch.last_pos[idx])
 
 
+def step_mask(batch: Batch) -> torch.Tensor:
+    """The attention mask of the decode step about to run (``batch.mask`` already has its column):
+    ``batch.mask`` itself, or for a static cache padded with zeros on the right to the key width
+    :meth:`SlackLayer.width` ``(1)`` (the columns after the window: not written yet, masked out)."""
+    layer = batch.cache.layers[0] if batch.cache.layers else None
+    if not isinstance(layer, SlackLayer) or not layer.static:
+        return batch.mask
+    n = batch.mask.shape[1]
+    assert n == layer._e - layer._s + 1, "the mask covers the cache window and the step's column"
+    return torch.nn.functional.pad(batch.mask, (0, layer.width(1) - n))
+
+
 def feed(model: PreTrainedModel, batch: Batch, tokens: torch.Tensor) -> None:
     """One decode step: append ``tokens`` (``[B, 1]``, one per row) and compute the next logits."""
     batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
     batch.last_pos = batch.last_pos + 1
-    out = model(input_ids=tokens, attention_mask=batch.mask, position_ids=batch.last_pos,
+    out = model(input_ids=tokens, attention_mask=step_mask(batch), position_ids=batch.last_pos,
                 past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
     batch.logits = out.logits[:, -1, :]

@@ -26,6 +26,13 @@ Finished rows stay in the batch for joining requests to take; once at least an e
 are finished for more than ``COMPACT_PATIENCE`` steps (or half at once) they are dropped (KV cache
 rows selected, all-padding leading columns trimmed), so stragglers decode in a small batch. The KV
 cache appends in place (:class:`.torch_batch.SlackLayer`) instead of copying itself every step.
+
+``static_cache=True`` makes the decode step's key width (keys, values, attention mask) the cache
+window's width rounded up to a multiple of :data:`.torch_batch.STATIC_COLUMNS`, the columns past the
+window zero and masked out, so it changes only every that many tokens (or when trimming crosses a
+multiple): fixed shapes for CUDA graphs and per-shape kernel planning (cuDNN attention plans each new
+key length). Same tokens and log-probs as the default mode, at the cost of attending over up to
+``STATIC_COLUMNS - 1`` masked columns per step.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dora_rl.modeling import decode_completion, load_weights, state_dict_for_transfer
 
+from .attention import decode_attention
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
 from .torch_batch import Batch, absorb, feed, mergeable, new_cache, prefill, select, trim
 
@@ -61,6 +69,8 @@ class TorchEngine:
     this engine's private ``torch.Generator`` (the global RNG is never used). ``prefill_tokens``
     bounds the padded size of one prefill forward. Models whose KV cache layers cannot be merged
     (see :func:`.torch_batch.mergeable`) are batched statically (``add`` returns False).
+    ``static_cache``: decode steps see a key width that changes rarely (see the module docstring;
+    no effect for those models).
     """
 
     def __init__(
@@ -72,6 +82,7 @@ class TorchEngine:
         seed: int = 0,
         pad_id: int | None = None,
         prefill_tokens: int = 4096,
+        static_cache: bool = False,
     ) -> None:
         if temperature <= 0:
             raise ValueError("temperature must be > 0")
@@ -87,6 +98,9 @@ class TorchEngine:
             pad_id = tokenizer.pad_token_id if tokenizer is not None else None
         self.pad_id = int(pad_id) if pad_id is not None else min(self.eos_ids)
         self.prefill_tokens = int(prefill_tokens)
+        self.static_cache = bool(static_cache)
+        """Decode steps attend over the cache window rounded up to ``STATIC_COLUMNS`` columns
+        (:mod:`.torch_batch` static mode): fixed shapes between roundings; same results."""
         self.device = next(model.parameters()).device
         self.continuous = mergeable(new_cache(model))
         """Whether requests can join a running call (:meth:`add`)."""
@@ -162,7 +176,7 @@ class TorchEngine:
         """Generate every request (see :class:`~.engine.Engine`); results in request order, then the
         requests :meth:`add` admitted, in admission order."""
         checked_ids(requests, chunk_tokens)
-        with self._weights_lock, torch.no_grad():
+        with self._weights_lock, torch.no_grad(), decode_attention(self.device):
             run = _Run(self, requests, on_chunk, chunk_tokens, on_finish)
             with self._abort_lock:
                 self._running = True
@@ -272,7 +286,7 @@ class _Run:
             return batch
         eng = self.eng
         new = prefill(eng.model, [self.requests[i].prompt_ids + self.requests[i].partial_ids for i in rows],
-                      rows, eng.pad_id, eng.prefill_tokens)
+                      rows, eng.pad_id, eng.prefill_tokens, eng.static_cache)
         if batch is None:
             return new
         return absorb(batch, new, [b for b, i in enumerate(batch.rows) if self.results[i] is not None])

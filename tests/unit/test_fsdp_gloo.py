@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer.distributed import (
     DataParallel,
     broadcast_batch,
@@ -44,7 +45,6 @@ from dora_rl.consumers.trainer.distributed import (
     load_full_state,
     shard_model,
 )
-from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer.grpo import sequence_logprobs
 from dora_rl.consumers.trainer.step import precision
 from dora_rl.consumers.trainer.update import Sample, group_minibatches, policy_update, rank_rows

@@ -122,6 +122,12 @@ def test_trainer_families_are_one_consistent_snapshot() -> None:
     assert fams["dora_trainer_trained_tokens"][0].value == 150
     assert fams["dora_trainer_tokens_per_second"][0].value == pytest.approx(25.0)
     assert fams["dora_trainer_reward_mean"][0].value == 0.25
+    assert "dora_trainer_logprob_diff_mean" not in fams  # no such metric seen yet
+    col.trainer.metric("logprob_diff_mean", 0.002, 1)
+    col.trainer.metric("mfu", 0.31, 1)
+    fams = families(col)
+    assert fams["dora_trainer_logprob_diff_mean"][0].value == 0.002
+    assert fams["dora_trainer_mfu"][0].value == 0.31
     buckets = {s.labels["le"]: s.value for s in fams["dora_trainer_staleness"] if s.name.endswith("_bucket")}
     assert buckets == {"0.0": 4, "1.0": 7, "2.0": 8, "+Inf": 8}
     count = next(s.value for s in fams["dora_trainer_staleness"] if s.name.endswith("_count"))

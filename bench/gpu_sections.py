@@ -1,0 +1,407 @@
+"""The sections of ``bench/gpu_check.py`` (each ``fn(ctx) -> dict``; checks go to ``ctx.check``).
+
+Models: ``tiny(ctx, size)`` is the product's char-level Llama (built locally); ``smol_shape(ctx)`` a randomly
+initialised Llama of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, vocabulary 49,152,
+tied embeddings): the timing of a real 135M model without its weights. In the small (CPU) mode every
+size shrinks so the whole check runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dora_rl.config import DoraConfig
+from dora_rl.consumers.trainer import checkpoint
+from dora_rl.consumers.trainer.grpo import sequence_logprobs, warmup_cosine_schedule
+from dora_rl.consumers.trainer.precision import precision
+from dora_rl.consumers.trainer.sft import sft_warmup
+from dora_rl.consumers.trainer.throughput import (
+    mfu,
+    model_flops_per_token,
+    peak_flops,
+    resolved_micro_tokens,
+)
+from dora_rl.consumers.trainer.update import Sample, policy_update
+from dora_rl.core.tasks import get_task
+from dora_rl.modeling import (
+    build_tiny_model,
+    decode_completion,
+    encode_prompt,
+    load_policy,
+    load_weights,
+    state_dict_for_transfer,
+)
+from dora_rl.producers.rollout.attention import decode_attention
+from dora_rl.producers.rollout.engine import GenRequest
+from dora_rl.producers.rollout.torch_engine import TorchEngine
+
+NEVER = -1
+"""An EOS id no token has: timed requests run to their length cap."""
+
+
+@dataclass
+class Context:
+    device: str
+    small: bool
+    workdir: Path
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def check(self, name: str, value: float, limit: float, ok: bool) -> None:
+        """Record a check; in the small mode a failed one raises at once (CI asserts)."""
+        self.checks[name] = {"value": value, "limit": limit, "pass": bool(ok)}
+        if self.small and not ok:
+            raise AssertionError(f"check {name}: {value} against {limit}")
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def tiny(ctx: Context, size: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, Any, Path]:
+    path = ctx.workdir / f"tiny-{size}-{seed}"
+    if not (path / "config.json").exists():
+        build_tiny_model(path, size, seed=seed)
+    model, tok = load_policy(path, dtype=dtype, device=ctx.device)
+    return model, tok, path
+
+
+def smol_shape(ctx: Context, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    big = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=512)
+    cfg = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0,
+                      **(small if ctx.small else big))
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device=ctx.device, dtype=dtype).eval()
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [[1, *g.integers(4, vocab, length - 1).tolist()] for _ in range(n)]
+
+
+# -- env -----------------------------------------------------------------------------------------------
+
+
+def env(ctx: Context) -> dict[str, Any]:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": ctx.device}
+    if ctx.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return out
+
+
+# -- correctness ---------------------------------------------------------------------------------------
+
+
+def fresh_groups(model: torch.nn.Module, groups: int, size: int = 4, seed: int = 3) -> list[Sample]:
+    """``groups`` x ``size`` samples whose behaviour log-probs are the model's own (fresh data)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(groups):
+        prompt = [1, *torch.randint(4, 40, (4 + k % 3,), generator=g).tolist()]
+        for j in range(size):
+            resp = torch.randint(4, 40, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            with torch.no_grad():
+                own, _ = sequence_logprobs(model, [prompt], [resp])
+            out.append(Sample(prompt, resp, own[0].tolist(), float((j + k) % 3 == 0), f"g{k}"))
+    return out
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def _update(path: Path, ctx: Context, dtype: str, samples: list[Sample], **kw: Any) -> tuple[torch.Tensor, dict]:
+    model, _ = load_policy(path, device=ctx.device)
+    before = _flat(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    with precision(DoraConfig(device=ctx.device, dtype=dtype).validate()):  # type: ignore[arg-type]
+        stats = policy_update(model, opt, samples, minibatches=8, seed=0, **kw)
+    return _flat(model) - before, stats
+
+
+def bf16_update(ctx: Context) -> dict[str, Any]:
+    model, _, path = tiny(ctx, "1m", seed=2)
+    samples = fresh_groups(model, 32)
+    d32, s32 = _update(path, ctx, "fp32", samples)
+    d16, s16 = _update(path, ctx, "bf16", samples)
+    rel = float((d16 - d32).norm() / d32.norm())
+    ctx.check("bf16_update.relative_to_fp32", rel, 0.05, rel <= 0.05)
+    ctx.check("bf16_update.clip_frac_seen", s16["clip_frac"], 0.5 * s32["clip_frac"],
+              s16["clip_frac"] >= 0.5 * s32["clip_frac"] > 0)
+    return {"relative_diff": rel, "clip_frac": {"fp32": s32["clip_frac"], "bf16": s16["clip_frac"]},
+            "approx_kl": {"fp32": s32["approx_kl"], "bf16": s16["approx_kl"]}, "minibatches": 8, "trajectories": 128}
+
+
+def packing(ctx: Context) -> dict[str, Any]:
+    model, _, _ = tiny(ctx, "1m", seed=1)
+    samples = fresh_groups(model, 8)
+    ps, rs = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    with torch.no_grad():
+        padded, _ = sequence_logprobs(model, ps, rs, share_prompts=False)
+        packed, _ = sequence_logprobs(model, ps, rs, packed=True)
+    gap = float((padded - packed).abs().max())
+    ctx.check("packing.logprob_gap", gap, 1e-4, gap <= 1e-4)
+    return {"max_logprob_gap": gap}
+
+
+def _generate(model: Any, reqs: list[GenRequest], static: bool, seed: int = 0) -> list[list[int]]:
+    eng = TorchEngine(model, None, eos_id=NEVER, pad_id=0, seed=seed, static_cache=static)
+    return [r.token_ids for r in eng.generate(reqs)]
+
+
+def static_cache(ctx: Context) -> dict[str, Any]:
+    model, _, _ = tiny(ctx, "1m", seed=0)
+    ps = prompts(12, 9, 40)
+    reqs = [GenRequest(request_id=f"r{i}", prompt_ids=p[: 3 + i % 6], max_new_tokens=5 + 7 * (i % 4))
+            for i, p in enumerate(ps)]
+    same = _generate(model, reqs, static=False) == _generate(model, reqs, static=True)
+    ctx.check("static_cache.same_tokens", float(same), 1.0, same)
+    return {"same_tokens": same, "requests": len(reqs)}
+
+
+def _trainer(path: Path, ctx: Context) -> tuple[Any, Any, Any]:
+    model, _ = load_policy(path, device=ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    return model, opt, warmup_cosine_schedule(opt, 2)
+
+
+def checkpoint_section(ctx: Context) -> dict[str, Any]:
+    model, opt, sched = _trainer(tiny(ctx, "1m", seed=4)[2], ctx)
+    samples = fresh_groups(model, 6)
+    policy_update(model, opt, samples, minibatches=2, lr_scheduler=sched)
+    root = ctx.workdir / "ckpt"
+    saved = checkpoint.save(root, 1, "check", model, opt, sched, step=1)
+    other, oopt, osched = _trainer(tiny(ctx, "1m", seed=4)[2], ctx)
+    step = checkpoint.load(saved, other, oopt, osched)
+    same_weights = bool(torch.equal(_flat(model), _flat(other)))
+    for m, o, s in ((model, opt, sched), (other, oopt, osched)):
+        policy_update(m, o, samples, minibatches=2, seed=1, lr_scheduler=s)
+    gap = float((_flat(model) - _flat(other)).abs().max())
+    ctx.check("checkpoint.round_trip", gap, 0.0, same_weights and step == 1 and gap == 0.0)
+    return {"weights_equal_after_load": same_weights, "gap_after_next_update": gap}
+
+
+
+def fsdp(ctx: Context) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from dora_rl.consumers.trainer.distributed import DataParallel, init_ranks, shard_model
+
+    path = tiny(ctx, "1m", seed=5)[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    init_ranks(0, 1, store, cuda=ctx.device == "cuda", timeout_s=120.0)
+    try:
+        out: dict[str, Any] = {"backend": dist.get_backend()}
+        for dtype in ("fp32", "bf16"):
+            plain, _ = load_policy(path, device=ctx.device)
+            opt = torch.optim.AdamW(plain.parameters(), lr=3e-4, weight_decay=0.0)
+            samples = fresh_groups(plain, 8)
+            sharded, _ = load_policy(path, device=ctx.device)
+            shard_model(sharded)
+            sopt_model = torch.optim.AdamW(sharded.parameters(), lr=3e-4, weight_decay=0.0)
+            with precision(DoraConfig(device=ctx.device, dtype=dtype).validate()):  # type: ignore[arg-type]
+                policy_update(plain, opt, samples, minibatches=2, dp=DataParallel(0, 1))
+                policy_update(sharded, sopt_model, samples, minibatches=2, dp=DataParallel(0, 1))
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sharded.state_dict().items()}
+            gap = max(float((full[k].float() - v.float()).abs().max()) for k, v in plain.state_dict().items())
+            ctx.check(f"fsdp.one_rank_{dtype}", gap, 1e-5, gap <= 1e-5)
+            out[f"max_gap_{dtype}"] = gap
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+# -- log-probs ----------------------------------------------------------------------------------------
+
+
+def logprobs(ctx: Context) -> dict[str, Any]:
+    """Tokens sampled by the engine (its weights in ``dtype``) scored by the trainer (fp32 master weights,
+    autocast in bf16), on the 135M shape."""
+    master = smol_shape(ctx)
+    n, new = (8, 8) if ctx.small else (64, 64)
+    reqs = [GenRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=new)
+            for i, p in enumerate(prompts(n, 32, master.config.vocab_size))]
+    out: dict[str, Any] = {}
+    for dtype in ("fp32", "bf16"):
+        engine_model = copy.deepcopy(master).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        eng = TorchEngine(engine_model, None, eos_id=NEVER, pad_id=0, seed=0)
+        res = eng.generate(reqs)
+        with torch.no_grad(), precision(DoraConfig(device=ctx.device, dtype=dtype).validate()):  # type: ignore
+            mine, mask = sequence_logprobs(master, [r.prompt_ids for r in reqs], [r.token_ids for r in res],
+                                           packed=ctx.device == "cuda")
+        theirs = torch.zeros_like(mine)
+        for b, r in enumerate(res):
+            theirs[b, : len(r.logprobs)] = torch.tensor(r.logprobs, device=mine.device)
+        gap = (mine - theirs).abs() * mask
+        out[dtype] = {"mean": float(gap.sum() / mask.sum()), "max": float(gap.max())}
+        del engine_model, eng
+    ctx.check("logprobs.fp32_mean", out["fp32"]["mean"], 1e-4, out["fp32"]["mean"] <= 1e-4)
+    return out
+
+
+# -- engine --------------------------------------------------------------------------------------------
+
+
+def _time(ctx: Context, fn: Any) -> float:
+    ctx.sync()
+    t0 = time.perf_counter()
+    fn()
+    ctx.sync()
+    return time.perf_counter() - t0
+
+
+def _hf_generate(model: Any, ps: list[list[int]], new: int, seed: int = 0) -> None:
+    ids = torch.tensor(ps, device=model.device)
+    torch.manual_seed(seed)
+    with decode_attention(model.device):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None,
+                       use_cache=True)
+
+
+def _engine_row(ctx: Context, model: Any, batch: int, new: int) -> dict[str, Any]:
+    ps = prompts(batch, 32, model.config.vocab_size, seed=batch)
+    reqs = [GenRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=new) for i, p in enumerate(ps)]
+    row: dict[str, Any] = {"batch": batch, "new_tokens": new}
+    for name, fn in (("engine", lambda: _generate(model, reqs, static=False)),
+                     ("engine_static", lambda: _generate(model, reqs, static=True)),
+                     ("hf_generate", lambda: _hf_generate(model, ps, new))):
+        fn()  # warm-up: kernels chosen, allocator grown
+        secs = _time(ctx, fn)
+        row[name] = {"tokens_per_s": batch * new / secs, "step_ms": 1000 * secs / new}
+    return row
+
+
+def engine(ctx: Context) -> dict[str, Any]:
+    batches = [1, 8] if ctx.small else [1, 8, 64, 256, 512]
+    new = 8 if ctx.small else 64
+    out: dict[str, Any] = {}
+    for model_name in ("tiny-10m", "smol-135m-shape"):
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            model = tiny(ctx, "10m", dtype)[0] if model_name == "tiny-10m" else smol_shape(ctx, dtype)
+            sizes = batches if model_name == "tiny-10m" or ctx.small else [1, 64, 256]
+            out[f"{model_name}/{dtype_name}"] = [_engine_row(ctx, model, b, new) for b in sizes]
+            del model
+    for model_name in ("tiny-10m", "smol-135m-shape"):
+        fp32 = {r["batch"]: r for r in out[f"{model_name}/fp32"]}
+        for r in out[f"{model_name}/bf16"]:
+            best = max(r["engine"]["tokens_per_s"], r["engine_static"]["tokens_per_s"])
+            if r["batch"] in (64, 256):
+                ref = fp32[r["batch"]]
+                fp32_best = max(ref["engine"]["tokens_per_s"], ref["engine_static"]["tokens_per_s"])
+                ctx.check(f"engine.{model_name}.bf16_not_slower_than_fp32.b{r['batch']}", best / fp32_best, 1.0,
+                          best >= fp32_best)
+                hf = r["hf_generate"]["tokens_per_s"]
+                ctx.check(f"engine.{model_name}.bf16_vs_hf_generate.b{r['batch']}", best / hf, 1.0, best >= hf)
+    return out
+
+
+# -- update --------------------------------------------------------------------------------------------
+
+
+def _update_batch(model: Any, n: int, p_len: int, r_len: int) -> list[Sample]:
+    ps, rs = prompts(n // 8, p_len, model.config.vocab_size, seed=7), prompts(n, r_len, model.config.vocab_size, 8)
+    out = []
+    for i in range(n):
+        prompt = ps[i // 8]
+        with torch.no_grad():
+            own, _ = sequence_logprobs(model, [prompt], [rs[i]])
+        out.append(Sample(prompt, rs[i], own[0].float().tolist(), float(i % 3 == 0), f"g{i // 8}"))
+    return out
+
+
+def _timed_update(ctx: Context, model: Any, samples: list[Sample], micro_tokens: int, packed: bool,
+                  fused: bool) -> dict[str, Any]:
+    """One warm-up update, then one timed (bf16 autocast over fp32 master weights, 8 minibatches)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-6, weight_decay=0.0, fused=fused)
+
+    def run() -> None:
+        policy_update(model, opt, samples, minibatches=8, micro_tokens=micro_tokens, packed=packed)
+
+    with precision(DoraConfig(device=ctx.device, dtype="bf16").validate()):
+        run()
+        if ctx.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        secs = _time(ctx, run)
+    tokens = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))
+    used = mfu(model_flops_per_token(model), tokens, secs, peak_flops(torch.device(ctx.device), True))
+    return {"update_s": secs, "tokens_per_s": tokens / secs, "mfu": used,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if ctx.device == "cuda" else None}
+
+
+def update(ctx: Context) -> dict[str, Any]:
+    n, p_len, r_len = (16, 8, 16) if ctx.small else (64, 64, 256)
+    master = smol_shape(ctx)
+    samples = _update_batch(master, n, p_len, r_len)
+    derived = resolved_micro_tokens(0, master, bf16=True, checkpointing=False)
+    settings = {"today": dict(micro_tokens=1024, packed=False, fused=False),
+                "device": dict(micro_tokens=derived, packed=ctx.device == "cuda", fused=ctx.device == "cuda")}
+    out: dict[str, Any] = {"trajectories": n, "prompt_tokens": p_len, "response_tokens": r_len}
+    for name, setting in settings.items():
+        out[name] = {**setting, **_timed_update(ctx, copy.deepcopy(master), samples, **setting)}
+    speedup = out["device"]["tokens_per_s"] / out["today"]["tokens_per_s"]
+    out["speedup"] = speedup
+    if not ctx.small:
+        ctx.check("update.tokens_per_s_vs_fixed_1024", speedup, 10.0, speedup >= 10.0)
+    return out
+
+
+# -- RL loop -------------------------------------------------------------------------------------------
+
+
+def rl_loop(ctx: Context) -> dict[str, Any]:
+    """SFT warm-up, then on-policy GRPO steps: trainer fp32 master weights under bf16 autocast, engine
+    holding a bf16 copy refreshed after every update (the product's bf16 path), fixed seed."""
+    steps, prompts_n, group, sft = (2, 4, 4, 5) if ctx.small else (15, 64, 8, 150)
+    torch.manual_seed(0)
+    task = get_task("reverse")
+    master, tok, path = tiny(ctx, "1m", seed=0)
+    sft_warmup(master, tok, task, sft, 64, 3e-3, 16, seed=0)
+    engine_model, _ = load_policy(path, dtype=torch.bfloat16, device=ctx.device)
+    load_weights(engine_model, state_dict_for_transfer(master))
+    eng = TorchEngine(engine_model, tok, seed=0)
+    opt = torch.optim.AdamW(master.parameters(), lr=3e-4, weight_decay=0.0, fused=ctx.device == "cuda")
+    sched = warmup_cosine_schedule(opt, 10)
+    rng = random.Random(10_000)
+    rewards: list[float] = []
+    stats: list[dict[str, float]] = []
+    for step in range(steps):
+        problems = [task.sample(rng) for _ in range(prompts_n)]
+        reqs = [GenRequest(request_id=f"{p}-{g}", prompt_ids=encode_prompt(tok, problems[p].prompt), max_new_tokens=128)
+                for p in range(prompts_n) for g in range(group)]
+        res = eng.generate(reqs)
+        scores = [task.reward(problems[k // group].reference, decode_completion(tok, r.token_ids))
+                  for k, r in enumerate(res)]
+        samples = [Sample(q.prompt_ids, r.token_ids, r.logprobs, s, str(k // group))
+                   for k, (q, r, s) in enumerate(zip(reqs, res, scores, strict=True))]
+        with precision(DoraConfig(device=ctx.device, dtype="bf16").validate()):
+            st = policy_update(master, opt, samples, minibatches=8, seed=20_000 + step, lr_scheduler=sched,
+                               packed=ctx.device == "cuda")
+        load_weights(engine_model, state_dict_for_transfer(master))
+        rewards.append(sum(scores) / len(scores))
+        stats.append({k: st[k] for k in ("clip_frac", "approx_kl", "logprob_diff_mean", "update_s") if k in st})
+    k = min(5, steps)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    if not ctx.small:
+        ctx.check("rl_loop.last5_minus_first5", last - first, 0.03, last - first >= 0.03)
+    ctx.check("rl_loop.rewards_finite", float(np.isfinite(rewards).all()), 1.0, bool(np.isfinite(rewards).all()))
+    return {"rewards": rewards, "first5": first, "last5": last, "steps": stats, "prompts": prompts_n, "group": group}

@@ -1,0 +1,36 @@
+"""``bench/gpu_check.py --small``: the GPU check's CPU mode runs every section, asserts every check, and
+needs nothing a bare GPU machine lacks (torch and transformers only: no Kafka client, no Avro, no UCX)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_ON_A_GPU_MACHINE = {"confluent_kafka", "fastavro", "faust", "aiokafka", "ucxx", "ucp", "prometheus_client",
+                        "pyarrow", "reasoning_gym", "math_verify", "xxhash", "fsspec"}
+
+
+def test_small_mode_runs_every_section_and_passes_every_check(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--small", "--out", str(out),
+                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["sections"]) == {"env", "packing", "static_cache", "bf16_update", "checkpoint", "fsdp",
+                                       "logprobs", "engine", "update", "rl_loop"}
+    assert all("error" not in body for body in result["sections"].values())
+    checks = result["checks"]
+    assert checks["bf16_update.relative_to_fp32"]["value"] <= 0.05
+    for name in ("packing.logprob_gap", "static_cache.same_tokens", "checkpoint.round_trip", "fsdp.one_rank_fp32",
+                 "fsdp.one_rank_bf16", "logprobs.fp32_mean"):
+        assert checks[name]["pass"], name
+    assert not NOT_ON_A_GPU_MACHINE & set(result["modules"])
+    assert took < 60, f"the small mode took {took:.0f} s"
