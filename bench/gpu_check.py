@@ -45,8 +45,8 @@ import gpu_sections as sec  # noqa: E402
 import torch  # noqa: E402
 
 SECTIONS = {"env": sec.env, "packing": sec.packing, "static_cache": sec.static_cache, "bf16_update": sec.bf16_update,
-            "checkpoint": sec.checkpoint_section, "fsdp": sec.fsdp, "logprobs": sec.logprobs, "engine": sec.engine,
-            "update": sec.update, "rl_loop": sec.rl_loop}
+            "checkpoint": sec.checkpoint_section, "fsdp": sec.fsdp, "logprobs": sec.logprobs, "update": sec.update,
+            "rl_loop": sec.rl_loop, "engine": sec.engine}
 
 
 def commit() -> str:

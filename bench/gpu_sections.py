@@ -298,8 +298,9 @@ def engine(ctx: Context) -> dict[str, Any]:
     for model_name in ("tiny-10m", "smol-135m-shape"):
         for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             model = tiny(ctx, "10m", dtype)[0] if model_name == "tiny-10m" else smol_shape(ctx, dtype)
-            sizes = batches if model_name == "tiny-10m" or ctx.small else [1, 64, 256]
-            out[f"{model_name}/{dtype_name}"] = [_engine_row(ctx, model, b, new) for b in sizes]
+            sizes = batches if model_name == "tiny-10m" or ctx.small else [64, 256]
+            steps = new if model_name == "tiny-10m" or ctx.small else new // 2
+            out[f"{model_name}/{dtype_name}"] = [_engine_row(ctx, model, b, steps) for b in sizes]
             del model
     for model_name in ("tiny-10m", "smol-135m-shape"):
         fp32 = {r["batch"]: r for r in out[f"{model_name}/fp32"]}
