@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--small", action="store_true", help="CPU, tiny sizes, every check asserted (CI)")
     ap.add_argument("--out", type=Path, default=None, help="result file (default bench/results/gpu-<time>.json)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--rl-prompts", type=int, default=128, help="prompts per RL step of rl_loop (x 8 samples)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/dora-gpu-check"))
     return ap.parse_args(argv)
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.small or not torch.cuda.is_available() else "cuda"
     torch.set_num_threads(1 if device == "cpu" else max(1, torch.get_num_threads()))
     out = args.out or ROOT / "bench" / "results" / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    ctx = sec.Context(device=device, small=args.small, workdir=args.workdir)
+    ctx = sec.Context(device=device, small=args.small, workdir=args.workdir, rl_prompts=args.rl_prompts)
     args.workdir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"commit": commit(), "command": " ".join(["python bench/gpu_check.py", *(argv or [])]),
                               "device": device, "small": args.small, "sections": {}, "checks": {}}

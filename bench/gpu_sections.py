@@ -56,6 +56,8 @@ class Context:
     device: str
     small: bool
     workdir: Path
+    rl_prompts: int = 128
+    """Prompts per RL step of ``rl_loop`` (x 8 samples; the product's default batch is 128 x 8)."""
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def check(self, name: str, value: float, limit: float, ok: bool) -> None:
@@ -421,7 +423,7 @@ def _rl_run(ctx: Context, dtype: str) -> dict[str, Any]:
     """SFT warm-up, then on-policy GRPO steps: trainer fp32 master weights (bf16 autocast when ``dtype`` is
     bf16), the engine holding a ``dtype`` copy refreshed after every update, fixed seed. At the first step
     the same batch is also applied in fp32 to a copy: ``‖Δθ − Δθ_fp32‖ / ‖Δθ_fp32‖`` on a real batch."""
-    steps, prompts_n, group, sft = (2, 4, 4, 5) if ctx.small else (15, 64, 8, 150)
+    steps, prompts_n, group, sft = (2, 4, 4, 5) if ctx.small else (15, ctx.rl_prompts, 8, 150)
     torch.manual_seed(0)
     task = get_task("reverse")
     master, tok, path = tiny(ctx, "1m", seed=0)
@@ -447,7 +449,8 @@ def _rl_run(ctx: Context, dtype: str) -> dict[str, Any]:
                    for k, (q, r, s) in enumerate(zip(reqs, res, scores, strict=True))]
         kw = dict(minibatches=8, seed=20_000 + step, packed=ctx.device == "cuda")
         if step == 0:
-            twin, twin_opt = copy.deepcopy(master), copy.deepcopy(opt)
+            twin = copy.deepcopy(master)  # its own AdamW: a deep-copied optimizer would step copies of the weights
+            twin_opt = torch.optim.AdamW(twin.parameters(), lr=3e-4, weight_decay=0.0, fused=ctx.device == "cuda")
             before = _flat(master)
             policy_update(twin, twin_opt, samples, lr_scheduler=warmup_cosine_schedule(twin_opt, 10), **kw)
         with precision(cfg):
