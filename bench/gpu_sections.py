@@ -36,6 +36,7 @@ from dora_rl.consumers.trainer.throughput import (
 from dora_rl.consumers.trainer.update import Sample, policy_update
 from dora_rl.core.tasks import get_task
 from dora_rl.modeling import (
+    attention_kernels,
     build_tiny_model,
     decode_completion,
     encode_prompt,
@@ -43,7 +44,6 @@ from dora_rl.modeling import (
     load_weights,
     state_dict_for_transfer,
 )
-from dora_rl.producers.rollout.attention import decode_attention
 from dora_rl.producers.rollout.engine import GenRequest
 from dora_rl.producers.rollout.torch_engine import TorchEngine
 
@@ -274,7 +274,7 @@ def _time(ctx: Context, fn: Any) -> float:
 def _hf_generate(model: Any, ps: list[list[int]], new: int, seed: int = 0) -> None:
     ids = torch.tensor(ps, device=model.device)
     torch.manual_seed(seed)
-    with decode_attention(model.device):
+    with attention_kernels(model.device):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None,
                        use_cache=True)
@@ -350,17 +350,21 @@ def _update_batch(model: Any, n: int, p_len: int, r_len: int) -> list[Sample]:
 
 def _timed_update(ctx: Context, model: Any, samples: list[Sample], micro_tokens: int, packed: bool,
                   fused: bool) -> dict[str, Any]:
-    """One warm-up update, then one timed (bf16 autocast over fp32 master weights, 8 minibatches)."""
+    """One warm-up update, then one timed (bf16 autocast over fp32 master weights, 8 minibatches). The
+    warm-up's responses are one token shorter, so the timed update meets shapes it has not seen (as every
+    real step does: a kernel that plans per shape pays for it in the timing)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-6, weight_decay=0.0, fused=fused)
+    shorter = [Sample(x.prompt_ids, x.response_ids[:-1], x.behaviour_logprobs[:-1], x.reward, x.group_id)
+               for x in samples]
 
-    def run() -> None:
-        policy_update(model, opt, samples, minibatches=8, micro_tokens=micro_tokens, packed=packed)
+    def run(batch: list[Sample]) -> None:
+        policy_update(model, opt, batch, minibatches=8, micro_tokens=micro_tokens, packed=packed)
 
     with precision(DoraConfig(device=ctx.device, dtype="bf16").validate()):
-        run()
+        run(shorter)
         if ctx.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        secs = _time(ctx, run)
+        secs = _time(ctx, lambda: run(samples))
     tokens = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))
     used = mfu(model_flops_per_token(model), tokens, secs, peak_flops(torch.device(ctx.device), True))
     return {"update_s": secs, "tokens_per_s": tokens / secs, "mfu": used,

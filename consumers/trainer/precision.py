@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from dora_rl.config import DoraConfig
+from dora_rl.modeling import attention_kernels
 
 
 @contextmanager
@@ -22,7 +23,8 @@ def precision(config: DoraConfig) -> Iterator[None]:
     with the cache every minibatch after the first computed with the bf16 weights the update began with
     (the PPO ratio stayed 1; measured on an H100: approx KL 0.0008 against 0.036, the update 0.64 of its
     own size off fp32). So the cache is off: each forward casts the weights it uses (docs/decisions/0042).
+    Attention runs on :func:`~dora_rl.modeling.attention_kernels` (no cuDNN attention on CUDA).
     """
     with torch.autocast(device_type=torch.device(config.device).type, dtype=torch.bfloat16,
-                        enabled=config.dtype == "bf16", cache_enabled=False):
+                        enabled=config.dtype == "bf16", cache_enabled=False), attention_kernels(config.device):
         yield

@@ -45,9 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dora_rl.modeling import decode_completion, load_weights, state_dict_for_transfer
+from dora_rl.modeling import attention_kernels, decode_completion, load_weights, state_dict_for_transfer
 
-from .attention import decode_attention
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
 from .torch_batch import Batch, absorb, feed, mergeable, new_cache, prefill, select, trim
 
@@ -176,7 +175,7 @@ class TorchEngine:
         """Generate every request (see :class:`~.engine.Engine`); results in request order, then the
         requests :meth:`add` admitted, in admission order."""
         checked_ids(requests, chunk_tokens)
-        with self._weights_lock, torch.no_grad(), decode_attention(self.device):
+        with self._weights_lock, torch.no_grad(), attention_kernels(self.device):
             run = _Run(self, requests, on_chunk, chunk_tokens, on_finish)
             with self._abort_lock:
                 self._running = True
