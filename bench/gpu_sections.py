@@ -40,6 +40,7 @@ from dora_rl.modeling import (
     build_tiny_model,
     decode_completion,
     encode_prompt,
+    keep_lm_head_fp32,
     load_policy,
     load_weights,
     state_dict_for_transfer,
@@ -237,25 +238,30 @@ def fsdp(ctx: Context) -> dict[str, Any]:
 
 def logprobs(ctx: Context) -> dict[str, Any]:
     """Tokens sampled by the engine (its weights in ``dtype``) scored by the trainer (fp32 master weights,
-    autocast in bf16), on the 135M shape."""
+    autocast in bf16), on the 135M shape; ``bf16_head_fp32``: both compute their logits in fp32."""
     master = smol_shape(ctx)
     n, new = (8, 8) if ctx.small else (64, 64)
     reqs = [GenRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=new)
             for i, p in enumerate(prompts(n, 32, master.config.vocab_size))]
     out: dict[str, Any] = {}
-    for dtype in ("fp32", "bf16"):
+    for variant in ("fp32", "bf16", "bf16_head_fp32"):
+        dtype = variant[:4]
         engine_model = copy.deepcopy(master).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        trainer_model = copy.deepcopy(master)
+        if variant == "bf16_head_fp32":
+            keep_lm_head_fp32(engine_model)
+            keep_lm_head_fp32(trainer_model)
         eng = TorchEngine(engine_model, None, eos_id=NEVER, pad_id=0, seed=0)
         res = eng.generate(reqs)
         with torch.no_grad(), precision(DoraConfig(device=ctx.device, dtype=dtype).validate()):  # type: ignore
-            mine, mask = sequence_logprobs(master, [r.prompt_ids for r in reqs], [r.token_ids for r in res],
+            mine, mask = sequence_logprobs(trainer_model, [r.prompt_ids for r in reqs], [r.token_ids for r in res],
                                            packed=ctx.device == "cuda")
         theirs = torch.zeros_like(mine)
         for b, r in enumerate(res):
             theirs[b, : len(r.logprobs)] = torch.tensor(r.logprobs, device=mine.device)
         gap = (mine - theirs).abs() * mask
-        out[dtype] = {"mean": float(gap.sum() / mask.sum()), "max": float(gap.max())}
-        del engine_model, eng
+        out[variant] = {"mean": float(gap.sum() / mask.sum()), "max": float(gap.max())}
+        del engine_model, trainer_model, eng
     ctx.check("logprobs.fp32_mean", out["fp32"]["mean"], 1e-4, out["fp32"]["mean"] <= 1e-4)
     return out
 

@@ -150,6 +150,11 @@ class DoraConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (trades ~30% more compute for activation memory)."""
 
+    lm_head_fp32: bool = False
+    """Compute the logits in fp32 in the engine and the trainer (``modeling.keep_lm_head_fp32``): with
+    ``dtype = "bf16"`` the logits are then not rounded to bf16, which narrows the engine-trainer log-prob
+    gap (``logprob_diff_mean``); the weights are unchanged."""
+
     micro_tokens: int = 0
     """Tokens of one trainer micro-batch (forward + backward at once; gradients accumulate, so the update
     is the same up to float rounding). 0: derived from the device's total memory on a GPU, 1024 on the
@@ -271,6 +276,8 @@ class DoraConfig:
         if self.num_instances > self.max_instances:
             raise ValueError(f"num_instances ({self.num_instances}) must be <= max_instances ({self.max_instances}): "
                              "instance i reads partition i of the request topic")
+        if self.lm_head_fp32 and self.engine == "vllm":
+            raise ValueError("lm_head_fp32 applies to the torch engine and the trainer; vLLM computes its own logits")
         if self.micro_tokens < 0:
             raise ValueError(f"micro_tokens must be >= 0 (0: derived from the device), got {self.micro_tokens}")
         if self.dtype not in ("fp32", "bf16"):

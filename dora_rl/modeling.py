@@ -11,6 +11,7 @@ everywhere, the equivalent of ``HF_HUB_OFFLINE=1``).
 * :func:`state_dict_for_transfer` / :func:`load_weights` move policy weights between a trainer and
   rollout engines. Invariant: ``load_weights(m2, state_dict_for_transfer(m1))`` makes ``m2`` compute
   bit-identical outputs to ``m1`` when both have the same architecture and dtype.
+* :func:`keep_lm_head_fp32`: logits computed in fp32 (config ``lm_head_fp32``) in the engine and the trainer.
 * :func:`attention_kernels`: the attention kernels the engine and the trainer may use on a GPU.
 * :func:`encode_prompt` / :func:`decode_completion` fix the prompt/answer token convention shared by
   SFT, rollout and the trainer.
@@ -246,6 +247,31 @@ def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) ->
             if dst.shape != src.shape:
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != model's {tuple(dst.shape)}")
             dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+
+class Fp32Head(torch.nn.Linear):
+    """An LM head that computes its logits in fp32: ``F.linear(h.float(), W.float(), b)`` outside autocast.
+
+    The weight stays the model's own parameter (same name, dtype and tie to the embeddings), so loading,
+    sharding and transfers see no difference; only the head's arithmetic changes: a bf16 model no longer
+    rounds its logits to bf16 (the largest source of the engine-trainer log-prob gap), and under autocast
+    the trainer's head runs in fp32 too.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            bias = self.bias.float() if self.bias is not None else None
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def keep_lm_head_fp32(model: torch.nn.Module) -> None:
+    """Make ``model``'s output embedding an :class:`Fp32Head` in place (its class changes; its parameters,
+    names and ties do not). A model whose head is not a plain ``nn.Linear`` is refused."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not torch.nn.Linear:
+        raise TypeError(f"lm_head_fp32: the output embedding is {type(head).__name__}, not a plain nn.Linear")
+    head.__class__ = Fp32Head
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

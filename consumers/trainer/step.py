@@ -59,10 +59,12 @@ class TrainerState:
 def build_state(config: DoraConfig, device: str | None = None, shard: bool = False) -> TrainerState:
     """The trainer's initial state for ``config`` on ``device`` (default ``config.device``), its model
     sharded with FSDP2 when ``shard`` (needs the default process group; see the module docstring)."""
-    from dora_rl.modeling import load_policy
+    from dora_rl.modeling import keep_lm_head_fp32, load_policy
     from dora_rl.policy_source import resolve_model
 
     model, tok = load_policy(resolve_model(config.model, config.seed), device=device or config.device)  # fp32
+    if config.lm_head_fp32:
+        keep_lm_head_fp32(model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if shard:  # before the optimizer: FSDP2 replaces the parameters by their shards

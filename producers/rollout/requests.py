@@ -79,10 +79,12 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
         from .vllm_engine import VllmEngine
 
         return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature, seed=seed)
-    from dora_rl.modeling import load_policy
+    from dora_rl.modeling import keep_lm_head_fp32, load_policy
 
     from .torch_engine import TorchEngine
 
     dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
     model, tok = load_policy(resolve_model(config.model, config.seed), dtype=dtype, device=config.device)
-    return TorchEngine(model, tok, temperature=config.temperature, seed=seed)
+    if config.lm_head_fp32:
+        keep_lm_head_fp32(model)
+    return TorchEngine(model, tok, temperature=config.temperature, seed=seed, static_cache=config.engine_static_cache)

@@ -111,3 +111,23 @@ def test_mismatch_is_measured_on_fresh_tokens_before_any_step(tmp_path: Path) ->
     model3, _ = load_policy(build_tiny_model(tmp_path / "m", "1m", seed=2))
     stats3 = policy_update(model3, torch.optim.AdamW(model3.parameters(), lr=1e-3), all_stale, minibatches=3)
     assert "logprob_diff_mean" not in stats3  # stale tokens measure policy drift, not the mismatch
+
+
+def test_fp32_head_keeps_names_and_ties_and_computes_fp32_logits(tmp_path: Path) -> None:
+    from dora_rl.modeling import Fp32Head, keep_lm_head_fp32, state_dict_for_transfer
+
+    path = build_tiny_model(tmp_path / "m", "1m", seed=3)
+    plain, _ = load_policy(path, dtype=torch.bfloat16)
+    model, _ = load_policy(path, dtype=torch.bfloat16)
+    names = list(state_dict_for_transfer(model))
+    keep_lm_head_fp32(model)
+    assert isinstance(model.get_output_embeddings(), Fp32Head)
+    assert list(state_dict_for_transfer(model)) == names  # same names, the tie kept (sent once)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        logits, rounded = model(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert logits.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert float((logits - rounded.float()).abs().max()) < 0.1  # the same logits, without bf16's rounding
+    with pytest.raises(TypeError, match=r"plain nn\.Linear"):
+        keep_lm_head_fp32(torch.nn.Linear(2, 2))
