@@ -11,6 +11,10 @@ assembler is fenced. The snapshot holds the next step, the plans of the steps no
 the last ``S + 2`` batches (later copies of those are duplicates) and every pending trajectory as a
 reference into ``dora.rollout.scored`` (fetched again at restore: a window of a few steps).
 
+A scored trajectory that may not reach an update (:mod:`dora_rl.core.training_input`: a non-finite or
+out-of-range reward, non-finite log-probs, ...) is refused on receipt with a dead letter naming its group,
+which the orchestrator withdraws and replaces; it never enters a batch.
+
 A complete group past its deadline that no plan names is a copy of trajectories trained already (an
 instance regenerated them after a restart): it is dropped and counted (``duplicates_dropped``).
 
@@ -28,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 
 from dora_rl.config import DoraConfig
+from dora_rl.core.training_input import trajectory_problem
 from dora_rl.infra import topics
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, Record, TrainBatch, Trajectory
@@ -62,8 +67,11 @@ class Assembler:
             self.rules.on_plan(int(rec.record.train_step), rec.record.trajectory_ids)
             return
         traj: Trajectory = rec.record
-        if traj.reward is None:
-            self._refuse(ctx, rec, "trajectory on dora.rollout.scored has no reward", "schema", traj.encode()[0])
+        problem = trajectory_problem(traj.prompt_ids, traj.response_ids, traj.behaviour_logprobs, traj.reward,
+                                     traj.token_versions)
+        if problem is not None:  # an external scorer may write anything: its group is refused and replaced
+            self._refuse(ctx, rec, f"untrainable trajectory {traj.trajectory_id}: {problem}", "input",
+                         traj.encode()[0], traj)
         elif self.rules.add(traj):
             self.refs[traj.trajectory_id] = rec.ref
 
@@ -121,11 +129,14 @@ class Assembler:
     def close(self) -> None:
         log.info("assembler stopping: next step %d, %d pending", self.rules.next_step, self.rules.pending())
 
-    def _refuse(self, ctx: Context, rec: InRecord, reason: str, error_type: str, value: bytes) -> None:
+    def _refuse(self, ctx: Context, rec: InRecord, reason: str, error_type: str, value: bytes,
+                traj: Trajectory) -> None:
+        """A dead letter naming the trajectory's group: the orchestrator withdraws it and dispatches another."""
         self.refused += 1
         letter = DeadLetter(component=COMPONENT, reason=reason, error_type=error_type, source_topic=rec.topic,
                             source_partition=rec.partition, source_offset=rec.offset, ts_ms=ctx.wall_ms(),
-                            run_id=self.run_id, key=rec.key, value=value)
+                            run_id=self.run_id, key=rec.key, value=value, group_id=traj.group_id,
+                            trajectory_id=traj.trajectory_id)
         ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
 
 

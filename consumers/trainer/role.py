@@ -49,6 +49,7 @@ import torch
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import modelled_train_s
+from dora_rl.core.training_input import trajectory_problem
 from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
@@ -66,16 +67,20 @@ log = logging.getLogger(__name__)
 COMPONENT = "trainer"
 
 
-def validate_batch(batch: TrainBatch, config: DoraConfig) -> str | None:
-    """Why ``batch`` must be refused, or None when it is valid."""
+def validate_batch(batch: TrainBatch, config: DoraConfig, vocab: int | None = None) -> str | None:
+    """Why ``batch`` must be refused, or None when it is valid: its size, C3, and every trajectory trainable
+    (:func:`~dora_rl.core.training_input.trajectory_problem`, token ids below ``vocab`` when given)."""
     if len(batch.trajectories) != config.train_batch_size:
         return f"batch has {len(batch.trajectories)} trajectories, expected {config.train_batch_size}"
     bad = config.staleness_bound.violations(batch.base_version, (t.policy_version for t in batch.trajectories))
     if bad:
         return (f"{len(bad)} trajectories with staleness {min(bad)}..{max(bad)} outside "
                 f"[0, {config.max_staleness}] (C3)")
-    if any(t.reward is None for t in batch.trajectories):
-        return "a trajectory in the batch has no reward"
+    for t in batch.trajectories:
+        problem = trajectory_problem(t.prompt_ids, t.response_ids, t.behaviour_logprobs, t.reward, t.token_versions,
+                                     vocab)
+        if problem is not None:
+            return f"trajectory {t.trajectory_id}: {problem}"
     return None
 
 
@@ -225,7 +230,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                                    "order", value=batch.encode()[0])
                         consumer.commit_in_transaction(producer.raw)
                     continue
-                reason = validate_batch(batch, config)
+                reason = validate_batch(batch, config, vocab=getattr(model.config, "vocab_size", None))
                 if reason is not None:
                     with transaction():
                         dlq.refuse(env, reason, "batch", value=batch.encode()[0])

@@ -7,7 +7,8 @@ Given a batch of trajectories (prompt ids, response ids, behaviour log-probs, re
 2. ``ppo_epochs`` passes, each split into ``minibatches`` optimizer steps of whole groups (shuffled
    per epoch), of the clipped surrogate against the behaviour log-probs, normalised by the
    minibatch's response-token count;
-3. gradient-norm clipping at ``grad_clip``, the optimizer step, then the LR scheduler's step.
+3. gradient-norm clipping at ``grad_clip``, the optimizer step, then the LR scheduler's step. A step whose
+   loss or gradient norm is not finite is never taken: :class:`NonFiniteUpdate` is raised before it.
 
 Exactness invariants (tested): micro-batching never changes the update — a minibatch is computed in
 micro-batches of at most ``micro_tokens`` padded tokens whose gradients accumulate, each divided by
@@ -46,6 +47,7 @@ Returns python-float statistics of the step (loss, clip fraction, approx KL, rew
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +58,10 @@ from torch.distributed.tensor import DTensor
 
 from .distributed import DataParallel, all_reduce_max, all_reduce_sum
 from .grpo import group_advantages, micro_batches, ppo_clip_loss, sequence_logprobs
+
+
+class NonFiniteUpdate(ValueError):
+    """An optimizer step would have applied a non-finite loss or gradient; it was not taken."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,9 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
+            if not math.isfinite(float(norm)) or (dp is None and not math.isfinite(total)):  # norm: global, every rank
+                raise NonFiniteUpdate(f"optimizer step {len(losses)}: loss {total}, gradient norm {float(norm)}; "
+                                      "no weight was changed by this step")
             optimizer.step()
             first_step = False
             if lr_scheduler is not None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 import os
 import reprlib
 import signal
@@ -55,6 +54,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 from dora_rl.core import verifiers  # the named verifiers of BUILTIN; imports no heavy package
+from dora_rl.core.training_input import reward_problem
 
 RewardFn = Callable[[str, str, str], float]
 RewardErrorKind = Literal["timeout", "raised", "invalid", "unknown_task", "crashed"]
@@ -171,8 +171,9 @@ def call_reward(fn: RewardFn, task: str, reference: str, completion: str) -> _Wi
         reward = float(value)
     except Exception:
         return ("invalid", "", _clip(f"returned {reprlib.repr(value)}, which is not a number"))
-    if not (math.isfinite(reward) and 0.0 <= reward <= 1.0):
-        return ("invalid", "", f"returned {reward!r}, not a finite number in [0, 1]")
+    problem = reward_problem(reward)
+    if problem is not None:
+        return ("invalid", "", f"returned {reward!r}: {problem}")
     return reward
 
 

@@ -82,3 +82,27 @@ def test_snapshot_holds_references_not_trajectories() -> None:
     driver.run()
     snap = driver.committed.snapshot or b""
     assert b"reverse" not in snap and topics.SCORED.encode() in snap
+
+
+@pytest.mark.parametrize(("reward", "logprobs", "why"), [
+    (float("nan"), None, "reward nan"), (float("inf"), None, "reward inf"), (1.5, None, "reward 1.5"),
+    (-0.1, None, "reward -0.1"), (0.5, [-0.5, float("nan")], "log-prob"), (0.5, [-0.5, 0.3], "log-prob"),
+    (0.5, [-0.5], "1 behaviour log-probs for 2")])
+def test_an_untrainable_scored_trajectory_refuses_its_group(reward: float, logprobs: list[float] | None,
+                                                            why: str) -> None:
+    """What an external scorer writes is checked on receipt: the bad trajectory never reaches a batch, and
+    its dead letter names its group (the orchestrator withdraws it and dispatches a replacement)."""
+    bad = _traj(f"{RUN}/bad", 0, 0, reward=reward)
+    if logprobs is not None:
+        bad = bad.replace(behaviour_logprobs=np.asarray(logprobs, dtype=np.float32))
+    inputs = [InRecord(topics.SCORED, 0, k, None, r) for k, r in enumerate(
+        [bad, *(_traj(g, i, 0) for g in (f"{RUN}/p0", f"{RUN}/p1") for i in range(4))])]
+    ids = tuple(f"{RUN}/p{g}/{i}" for g in (0, 1) for i in range(4))
+    inputs.append(InRecord(topics.SCHEDULE, 0, 0, None, BatchPlan(run_id=RUN, train_step=0, trajectory_ids=ids,
+                                                                  ts_ms=0)))
+    out = MemoryDriver(lambda: Assembler(RUN, CFG), inputs).run()
+    letters = [o.record for o in out if o.topic == topics.DLQ]
+    assert len(letters) == 1 and letters[0].group_id == f"{RUN}/bad" and letters[0].trajectory_id == f"{RUN}/bad/0"
+    assert why in letters[0].reason and letters[0].error_type == "input"
+    batches = [o.record for o in out if o.topic == topics.BATCHES]
+    assert [t.trajectory_id for t in batches[0].trajectories] == list(ids)
