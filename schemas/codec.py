@@ -139,10 +139,17 @@ Headers = list[tuple[str, Any]] | dict[str, Any] | None
 
 
 def _header(headers: Headers, key: str) -> str | None:
+    """The value of header ``key`` as text; a value that is not UTF-8 is a :class:`DecodeError` (like any
+    other malformed input: one dead letter, never a crash of the reader)."""
     items = headers.items() if isinstance(headers, dict) else (headers or ())
     for k, v in items:
         if k == key:
-            return v.decode() if isinstance(v, bytes | bytearray) else str(v)
+            if not isinstance(v, bytes | bytearray):
+                return str(v)
+            try:
+                return bytes(v).decode()
+            except UnicodeDecodeError as exc:
+                raise DecodeError(f"header {key!r} is not UTF-8: {bytes(v)[:40]!r}", "schema") from exc
     return None
 
 

@@ -135,6 +135,17 @@ def test_header_naming_another_record_is_refused() -> None:
     assert info.value.error_type == "schema"
 
 
+@pytest.mark.parametrize("header", [codec.HEADER_SCHEMA, codec.HEADER_FINGERPRINT])
+def test_a_header_that_is_not_utf8_is_a_decode_error(header: str) -> None:
+    """A reader sees a DecodeError (one dead letter, then the next record), never a UnicodeDecodeError."""
+    value, headers = RECORDS["dora.v1.Metric"](run_id="r", component="c", name="n", value=1.0,  # type: ignore[call-arg]
+                                               ts_ms=0).encode()
+    bad = [(k, b"\xff\xfe" if k == header else v) for k, v in headers]
+    with pytest.raises(codec.DecodeError, match="not UTF-8") as info:
+        RECORDS["dora.v1.Metric"].decode(value, bad)
+    assert info.value.error_type == "schema"
+
+
 def test_trailing_bytes_are_refused() -> None:
     value, headers = RECORDS["dora.v1.Metric"](run_id="r", component="c", name="n", value=1.0,  # type: ignore[call-arg]
                                                ts_ms=0).encode()
