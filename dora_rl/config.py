@@ -1,7 +1,9 @@
 """The one typed configuration of a DORA run. Every knob is a field with its meaning stated.
 
 Loaded from a TOML or JSON file (``--config``) whose keys are the field names, then overridden
-by command-line flags. Unknown keys are an error (a typo must never be silently ignored).
+by command-line flags. Unknown keys are an error (a typo must never be silently ignored), and so is a value
+of the wrong type or out of range (:mod:`dora_rl.config_checks`; ``"false"`` is not a bool, ``"vLLM"`` not an
+engine), each with the closest valid name.
 Invariants checked by :meth:`DoraConfig.validate`: ``train_batch_size`` is a multiple of
 ``group_size`` (batches hold whole GRPO groups); ``rollout_batch_size >= train_batch_size``;
 ``max_staleness >= 0``; in ``sync`` mode ``max_staleness`` is forced to 0.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dora_rl.config_checks import field_problems, unknown_keys
 from dora_rl.core.staleness import StalenessBound
 
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
@@ -257,7 +260,11 @@ class DoraConfig:
     """See ``modelled_train_s_fixed``."""
 
     def validate(self) -> DoraConfig:
-        """Check the invariants; returns the (possibly normalised) config or raises ValueError."""
+        """Check every field's type and range (:mod:`dora_rl.config_checks`) and the invariants; returns the
+        (possibly normalised) config or raises ValueError naming every bad field."""
+        problems = field_problems(self)
+        if problems:
+            raise ValueError("invalid config: " + "; ".join(problems))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.group_size < 1 or self.train_batch_size % self.group_size:
@@ -325,10 +332,9 @@ class DoraConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DoraConfig:
         """Build from a mapping of field names; unknown keys raise ValueError naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = unknown_keys(cls, data)
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known: {sorted(names)}")
+            raise ValueError(f"unknown config keys: {', '.join(unknown)}")
         return cls(**data).validate()
 
     @classmethod
