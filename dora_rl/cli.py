@@ -160,8 +160,7 @@ def cmd_role(args: argparse.Namespace) -> int:
     if args.advertised_host:
         os.environ[ADVERTISED_ENV] = args.advertised_host
     index: int | str = args.index if args.index == "auto" else int(args.index)
-    start_role(args.command, _bootstrap(args), args.run_id, index, instance_name=args.instance_name)
-    return 0
+    return start_role(args.command, _bootstrap(args), args.run_id, index, instance_name=args.instance_name)
 
 
 def cmd_create(args: argparse.Namespace) -> int:

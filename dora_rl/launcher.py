@@ -14,6 +14,7 @@ update (the warm-up is reported apart as ``warmup_s``); ``wall_s`` is the whole 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -267,7 +268,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     def on_term(signum: int, frame: object) -> None:  # a killed launcher must not orphan its roles
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}  # SIGHUP: ssh drop
     producer = RecordProducer(bootstrap, f"run-{info.run_id}")
     watcher = RunConsumer(bootstrap, info.run_id, "launcher",
                           {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
@@ -313,11 +314,14 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     except KeyboardInterrupt:
         failed = "interrupted"
     finally:
-        bar.close()
-        tb.close()
-        watcher.close()
+        # the roles first: closing the bar writes to an output that may be gone (Ctrl-C on `| tee`, an ssh
+        # drop), and a BrokenPipeError there must not skip the stop (it orphaned every role)
         stop_all(sup.processes())
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for close in (bar.close, tb.close, watcher.close):
+            with contextlib.suppress(OSError):
+                close()
     steps_done = len(progress.rewards)
     reward_per_step = [progress.rewards[k] for k in sorted(progress.rewards)]
     trained = float(sum(progress.tokens.values()))

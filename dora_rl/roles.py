@@ -33,17 +33,37 @@ def run_dir(run_id: str) -> Path:
     return path
 
 
-def _stop_flag() -> threading.Event:
-    """An event set on SIGTERM/SIGINT, for roles that loop."""
-    event = threading.Event()
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals a role stops on gracefully (hands its work back, commits, closes), then exits ``128 + signum``."""
 
-    def handler(signum: int, frame: object) -> None:
+
+class StopFlag:
+    """Set by the first of :data:`STOP_SIGNALS`; roles that loop poll :meth:`is_set`.
+
+    :meth:`exit_code` is 0 when no signal came (the role finished its work) and ``128 + signum`` after one,
+    the shell's convention: a supervisor then tells "finished" (0) from "stopped before the end" and
+    starts the role again unless it stopped it itself (``dora_rl.supervisor``)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+
+    def install(self) -> StopFlag:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
         log.info("signal %d: stopping", signum)
-        event.set()
+        if self.signum is None:
+            self.signum = signum
+        self.event.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return event
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def exit_code(self) -> int:
+        return 0 if self.signum is None else 128 + self.signum
 
 
 def weight_token() -> str:
@@ -59,8 +79,9 @@ def weight_token() -> str:
 
 
 def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str = 0,
-               instance_name: str | None = None) -> None:
-    """Run one role of run ``run_id`` (latest run if None) until it finishes or is signalled.
+               instance_name: str | None = None) -> int:
+    """Run one role of run ``run_id`` (latest run if None) until it finishes or is signalled; returns the
+    process's exit code (:meth:`StopFlag.exit_code`: 0 finished, ``128 + signum`` stopped by a signal).
 
     A rollout instance with ``index="auto"`` claims a free index (:mod:`dora_rl.core.instance_ids`);
     ``instance_name`` (stable across restarts) gets the same index back."""
@@ -68,7 +89,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
     config = DoraConfig.from_json(info.config_json)
     start = offsets_map(info)
     token = weight_token()
-    stop = _stop_flag()
+    stop = StopFlag().install()
     if index == "auto":
         if role != "rollout":
             raise ValueError(f"--index auto is for rollout instances, not {role}")
@@ -112,6 +133,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
         log.info("wrote %d prompts", n)
     else:
         raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
+    return stop.exit_code()
 
 
 def prompts_needed(config: DoraConfig) -> int:

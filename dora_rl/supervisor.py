@@ -4,7 +4,8 @@ Rule (pure: :class:`RestartPolicy`, tested without processes):
 
 - a role that exits with code 0 has finished (the dataset after writing its prompts, the trainer
   after its last step, the orchestrator once every step is consumed) and is not started again;
-- a role that dies any other way (non-zero exit, a signal such as SIGKILL) is started again after a
+- a role that dies any other way (non-zero exit, a signal such as SIGKILL, or a graceful stop on SIGTERM,
+  SIGINT or SIGHUP by someone else, which exits ``128 + signum``: ``dora_rl.roles.StopFlag``) is started again after a
   backoff of ``backoff_s[k]`` seconds for its ``k``-th restart (the last value repeats);
 - a role that died more than ``max_restarts`` times within ``window_s`` seconds keeps dying: the run
   fails, naming it.

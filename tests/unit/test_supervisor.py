@@ -50,3 +50,23 @@ def test_supervisor_restarts_dead_roles_and_counts_them() -> None:
     procs["trainer"].code = 1
     failed = sup.check(4.0)
     assert failed is not None and "trainer keeps dying" in failed
+
+
+def test_a_role_stopped_by_a_signal_exits_128_plus_it_so_the_supervisor_restarts_it() -> None:
+    import os
+    import signal
+
+    from dora_rl.roles import STOP_SIGNALS, StopFlag
+
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        flag = StopFlag().install()
+        assert not flag.is_set() and flag.exit_code() == 0  # finished its work: 0, "finished"
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal keeps the first one's code
+        assert flag.is_set() and flag.exit_code() == 128 + signal.SIGHUP
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    action, _ = RestartPolicy().decide(flag.exit_code(), [], now=0.0)
+    assert action == "restart"
