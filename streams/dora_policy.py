@@ -115,13 +115,13 @@ class DoraScheduler(Generic[P]):
     def on_scored(self, trajectory_id: str) -> None:
         self.planner.complete(trajectory_id)
 
-    def on_refused(self, group_id: str) -> None:
+    def on_refused(self, group_id: str) -> bool:
         """Withdraw the group (see ``SchedulingRules.on_refused``): members still decoding are cancelled,
         and its share of the run's budget (``dispatched``) is given back, so rule 4 dispatches a
         replacement prompt."""
         tids = self.planner.withdraw(group_id)
         if not tids:
-            return
+            return False
         cancels: dict[int, list[tuple[str, int]]] = {}
         for tid in tids:
             t = self.state.trajs.pop(tid, None)
@@ -133,6 +133,7 @@ class DoraScheduler(Generic[P]):
                             for i, m in sorted(cancels.items()))
         self.state.dispatched -= len(tids)
         self.refused_groups += 1
+        return True
 
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         self.state.next_cut = max(self.state.next_cut, train_step + 1)

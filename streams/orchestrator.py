@@ -103,11 +103,10 @@ class Orchestrator:
         elif rec.topic == topics.SCORED:
             self.rules.on_scored(r.trajectory_id)
         elif rec.topic == topics.DLQ:
-            if r.group_id and r.group_id in self.prompts:
+            if r.group_id and r.group_id in self.prompts and self.rules.on_refused(r.group_id):
                 log.warning("group %s refused by %s (%s): withdrawn, a replacement is dispatched",
                             r.group_id, r.component, r.reason)
-                self.rules.on_refused(r.group_id)
-                self.withdrawn.append(r.group_id)
+                self.withdrawn.append(r.group_id)  # its prompt is dropped only when the rules withdrew it
         elif rec.topic == topics.BATCHES:
             self.consumed_steps = max(self.consumed_steps, int(r.train_step) + 1)
             tids = [t.trajectory_id for t in r.trajectories]

@@ -95,13 +95,14 @@ class SchedulingRules(Protocol[P]):
         """A trajectory has its reward: it may be planned into a batch once its whole group has one."""
         ...
 
-    def on_refused(self, group_id: str) -> None:
+    def on_refused(self, group_id: str) -> bool:
         """A member of the group was refused (dead-lettered: the engine failed on it, or it has no reward).
 
         The whole group is withdrawn (its members still decoding are cancelled) and a replacement
         group is dispatched in its place, so batches stay whole groups of exactly TBS (C2 counts the
-        group as refused, not lost). A group that is unknown or already planned is left alone (the
-        refusal concerned a copy)."""
+        group as refused, not lost). A group that is unknown, still queued (never dispatched: nothing of
+        it can have been refused, so the letter is a copy or forged) or already planned is left alone.
+        Returns whether the group was withdrawn."""
         ...
 
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
@@ -199,16 +200,17 @@ class Scheduler(Generic[P]):
     def on_scored(self, trajectory_id: str) -> None:
         self.planner.complete(trajectory_id)
 
-    def on_refused(self, group_id: str) -> None:
+    def on_refused(self, group_id: str) -> bool:
         """Withdraw the group; its replacement is dispatched with the same version (see the protocol)."""
         tids = self.planner.withdraw(group_id)
         if not tids:
-            return
+            return False
         versions = [self.state.version_of.pop(t) for t in tids]
         for t in tids:
             self.state.in_flight.pop(t, None)
         self.replacements.append(min(versions))
         self.refused_groups += 1
+        return True
 
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         """A batch was cut for ``train_step``."""

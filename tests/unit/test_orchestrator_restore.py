@@ -212,3 +212,21 @@ def test_a_refused_group_is_withdrawn_and_replaced_so_every_batch_stays_exact(mo
     groups = {o.record.group_id for o in out if o.topic == topics.REQUESTS and o.record.action == "GENERATE"}
     planned = {t.rsplit("/", 1)[0] for p in plans for t in p.trajectory_ids}
     assert groups == planned | {refused}, "a replacement group must be dispatched, nothing else left out"
+
+
+@pytest.mark.parametrize("mode", ["sync", "dora"])
+def test_a_dead_letter_naming_a_queued_group_changes_nothing(mode: str) -> None:
+    """A letter naming a group never dispatched (a forged or stray refusal) withdraws nothing: the group
+    stays queued with its prompt, and the snapshot (which references every queued prompt) still works."""
+    from dora_rl.schemas.records import DeadLetter
+
+    config = _cfg(mode, 0 if mode == "sync" else 1)
+    n = (config.steps * config.train_batch_size + config.rollout_batch_size) // config.group_size
+    last = f"{RUN}/p{n - 1}"  # queued behind every other prompt: not dispatched before the letter
+    letter = DeadLetter(component="forger", reason="x", error_type="input", source_topic=topics.SCORED,
+                        source_partition=0, source_offset=0, ts_ms=0, run_id=RUN, group_id=last)
+    inputs = [InRecord(topics.PROMPTS, 0, i, None, _prompt(i)) for i in range(n)]
+    inputs.append(InRecord(topics.DLQ, 0, 0, None, letter))
+    driver = MemoryDriver(lambda: Orchestrator(RUN, config), inputs, commit_every=1)
+    driver.run()  # snapshots after every record: raised KeyError on the letter before
+    assert driver.committed.snapshot is not None and last.encode() in driver.committed.snapshot
