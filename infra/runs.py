@@ -45,8 +45,16 @@ def end_offsets(bootstrap: str, names: list[str] | None = None, timeout: float =
         consumer.close()
 
 
+class RunExists(ValueError):
+    """A run id given for a new run is recorded already (a run is never overwritten: resume it instead)."""
+
+
 def start_run(bootstrap: str, config: DoraConfig, run_id: str | None = None) -> RunInfo:
-    """Record a new run (state STARTED) with its start offsets; returns it."""
+    """Record a new run (state STARTED) with its start offsets; returns it. A given ``run_id`` that is
+    recorded already raises :class:`RunExists` (its config and start offsets would be replaced)."""
+    if run_id is not None and run_id in list_runs(bootstrap):
+        raise RunExists(f"run {run_id!r} exists on this cluster: choose another id, or continue it with "
+                        f"`dora-rl resume {run_id}`")
     info = RunInfo(run_id=run_id or new_run_id(), state="STARTED", mode=config.mode,
                    config_json=config.to_json(), created_ms=now_ms(),
                    start_offsets=tuple(end_offsets(bootstrap)))

@@ -1,5 +1,6 @@
-"""A signalled launcher leaves no role behind, even when its output pipe is gone first (Ctrl-C on
-``dora-rl run ... | tee log``, an ssh drop): every role of the run is gone within 10 s of the launcher."""
+"""A run ends only when someone ends it, and nothing outlives it: a signalled launcher leaves no role behind,
+even when its output pipe is gone first (Ctrl-C on ``dora-rl run ... | tee log``, an ssh drop): every role
+of the run is gone within 10 s of the launcher; and a new run never overwrites a recorded one."""
 
 from __future__ import annotations
 
@@ -61,3 +62,14 @@ def test_a_signalled_launcher_with_its_output_gone_leaves_no_role(bootstrap: str
                 launcher.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 launcher.kill()
+
+
+def test_an_existing_run_id_is_refused_not_overwritten(bootstrap: str) -> None:
+    from dora_rl.config import DoraConfig
+    from dora_rl.infra.runs import RunExists, get_run, start_run
+
+    config = DoraConfig.from_dict(emulated_run(steps=2))
+    first = start_run(bootstrap, config, run_id="run-id-taken")
+    with pytest.raises(RunExists, match="dora-rl resume run-id-taken"):
+        start_run(bootstrap, DoraConfig.from_dict(emulated_run(steps=5)), run_id="run-id-taken")
+    assert get_run(bootstrap, "run-id-taken").config_json == first.config_json  # the record is unchanged
