@@ -39,6 +39,7 @@ import numpy as np
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import prom, topics
+from dora_rl.infra.announcements import announcement_problem
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import KafkaSecurityError
@@ -311,6 +312,10 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                 raise RuntimeError("generation failed") from gen_error[0]
             for env in versions.poll(0.0):
                 ann: PolicyVersion = env.record
+                problem = announcement_problem(ann, check_manifest=fetcher is not None)
+                if problem is not None:  # one dead letter per reader, then the next record
+                    inst_dlq.refuse(env, problem, "announcement", value=ann.encode()[0])
+                    continue
                 v = int(ann.version)
                 if v in known and ann.holders[0] not in known[v].holders:  # another holder of v
                     known[v] = known[v].replace(holders=known[v].holders + tuple(ann.holders))
