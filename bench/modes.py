@@ -88,7 +88,9 @@ def settings(mode: str, quick: bool) -> list[dict[str, Any]]:
 def mode_config(mode: str, steps: int, setting: dict[str, Any], seed: int) -> dict[str, Any]:
     """The config of one mode and setting on the shared workload (seed moves the lengths too)."""
     emulated = {**WORKLOAD["emulated"], "seed": seed}
-    return {**WORKLOAD, "mode": mode, "steps": steps, "max_staleness": 0, **setting, "seed": seed,
+    from provenance import config_mode
+
+    return {**WORKLOAD, "mode": config_mode(mode), "steps": steps, "max_staleness": 0, **setting, "seed": seed,
             "emulated": emulated}
 
 

@@ -142,8 +142,11 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     p = w.params(eff, seed, setting.tp, setting.hop_latency_s)
     n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
+    from provenance import config_mode
+
     cfg = DoraConfig.from_dict({
-        "mode": setting.mode, "max_staleness": setting.staleness, "steps": w.steps, "train_batch_size": w.tbs,
+        "mode": config_mode(setting.mode), "max_staleness": setting.staleness, "steps": w.steps,
+        "train_batch_size": w.tbs,
         "group_size": w.group, "rollout_batch_size": rbs, "num_instances": n_inst,
         "instance_concurrency": w.max_num_seqs, "max_new_tokens": w.cap, "engine": "emulated",
         "num_partitions": max(16, n_inst), "max_instances": max(16, n_inst),

@@ -103,7 +103,9 @@ def run_config(mode: str, seed: int, setting: dict[str, Any], steps: int, overri
     tbs = int(overrides.get("train_batch_size", DoraConfig().train_batch_size))
     group = int(overrides.get("group_size", DoraConfig().group_size))
     rbs = int(setting["rbs_factor"] * tbs) // group * group
-    return {**overrides, "seed": seed, "mode": mode, "steps": steps, "max_staleness": setting["staleness"],
+    from provenance import config_mode
+
+    return {**overrides, "seed": seed, "mode": config_mode(mode), "steps": steps, "max_staleness": setting["staleness"],
             "rollout_batch_size": rbs, "num_instances": setting["num_instances"]}
 
 

@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("sync", 0, args.tbs), ("one_step_off", 1, 2 * args.tbs), ("partial", 0, 2 * args.tbs)]
     runs += [("dora", s, (s + 1) * args.tbs) for s in (1, 2, 3)]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import provenance, write_result
+    from provenance import config_mode, provenance, write_result
 
     out: dict[str, Any] = {**provenance(), "engine": "simulated (emulated decode model)", "args": vars(args),
                            "params": params.__dict__, "modes": {}}
     for mode, s, rbs in runs:
-        cfg = DoraConfig.from_dict({**base, "mode": mode, "max_staleness": s, "rollout_batch_size": rbs,
+        cfg = DoraConfig.from_dict({**base, "mode": config_mode(mode), "max_staleness": s, "rollout_batch_size": rbs,
                                     "num_partitions": max(16, args.instances),
                                     "max_instances": max(16, args.instances)})
         t0 = time.perf_counter()

@@ -57,7 +57,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dora_rl.config import DoraConfig
+from dora_rl.config import PARTIAL_MODES, DoraConfig
 from dora_rl.consumers.audit_checks import (
     chunk_mismatches,
     first_copies,
@@ -254,17 +254,17 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
     def check_trajectory(t: Trajectory, where: str) -> None:
         used = t.versions_used()
         if len(used) > 1:
-            if config.mode == "partial":
+            if config.mixes_versions:
                 rep.c1_breaks_expected += 1
             else:
                 rep.c1_mixed_versions += 1
                 rep.examples.append(f"C1: {t.trajectory_id} ({where}) used versions {sorted(used)}")
-        elif int(t.instance_version) != int(t.policy_version) and config.mode != "partial":
+        elif int(t.instance_version) != int(t.policy_version) and not config.mixes_versions:
             rep.c1_instance_mismatch += 1
             rep.examples.append(f"C1: {t.trajectory_id} version {t.policy_version} made on an instance holding "
                                 f"{t.instance_version}")
         want = requested.get(t.trajectory_id)
-        if want is not None and want != int(t.policy_version) and config.mode != "partial":
+        if want is not None and want != int(t.policy_version) and not config.mixes_versions:
             rep.c1_request_mismatch += 1
             rep.examples.append(f"C1: {t.trajectory_id} requested for v{want} but made by v{t.policy_version}")
 
@@ -352,7 +352,7 @@ def cross_check_c1(rep: AuditReport, trained: dict[str, int], chunks: list[Token
     rep.chunks_read, rep.heartbeats_read = len(chunks), len(statuses)
     by_chunk = chunk_mismatches(trained, chunks)
     by_heartbeat = heartbeat_mismatches(trained, statuses)
-    if rep.mode == "partial":  # resumed on a newer version by design
+    if rep.mode in PARTIAL_MODES:  # resumed on a newer version by design
         rep.c1_breaks_expected += len(by_chunk) + len(by_heartbeat)
         return
     rep.c1_chunk_mismatch, rep.c1_heartbeat_mismatch = len(by_chunk), len(by_heartbeat)

@@ -21,8 +21,10 @@ from typing import Any, Literal
 from dora_rl.config_checks import field_problems, unknown_keys
 from dora_rl.core.staleness import StalenessBound
 
-Mode = Literal["sync", "one_step_off", "partial", "dora"]
-MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "dora")
+Mode = Literal["sync", "one_step_off", "partial", "partial_unbounded", "dora"]
+MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "partial_unbounded", "dora")
+PARTIAL_MODES: tuple[str, ...] = ("partial", "partial_unbounded")
+"""The partial-rollout baselines: stragglers aborted and resumed under the newest weights (C1 broken by design)."""
 WeightTransport = Literal["ucx", "tcp", "file"]
 EngineKind = Literal["torch", "emulated", "vllm"]
 
@@ -34,12 +36,14 @@ class DoraConfig:
     mode: Mode = "sync"
     """Scheduling mode: ``sync`` (generate TBS, train, update all), ``one_step_off`` (generation one
     version ahead), ``partial`` (abort stragglers and resume them under new weights; mixes versions,
-    breaks C1 by design), ``dora`` (multi-version streaming rollout)."""
+    breaks C1 by design; held to ``max_staleness``, counted from the oldest version that wrote any of a
+    trajectory's tokens), ``partial_unbounded`` (the same with no bound: staleness only measured),
+    ``dora`` (multi-version streaming rollout)."""
 
     max_staleness: int = 0
     """S: a trajectory of version v may feed the update starting from V only if V - v <= S.
     ``K = S + 1`` versions are live at most. Forced to 0 in ``sync``, at least 1 in ``one_step_off``;
-    ``partial`` enforces none (set to ``steps``: its staleness is only measured)."""
+    ``partial_unbounded`` enforces none (set to ``steps``: its staleness is only measured)."""
 
     steps: int = 30
     """Training steps (policy updates) to run."""
@@ -308,10 +312,15 @@ class DoraConfig:
             return dataclasses.replace(self, max_staleness=0)
         if self.mode == "one_step_off" and self.max_staleness < 1:
             return dataclasses.replace(self, max_staleness=1)
-        if self.mode == "partial" and self.max_staleness < self.steps:
-            # partial rollout bounds no staleness: it is measured, never enforced (nothing is refused)
+        if self.mode == "partial_unbounded" and self.max_staleness < self.steps:
+            # the unbounded baseline: staleness is measured, never enforced (nothing is refused)
             return dataclasses.replace(self, max_staleness=self.steps)
         return self
+
+    @property
+    def mixes_versions(self) -> bool:
+        """A partial-rollout mode: a trajectory may be written by several versions (C1 broken by design)."""
+        return self.mode in PARTIAL_MODES
 
     @property
     def warmup_steps(self) -> int:

@@ -61,7 +61,7 @@ def input_types(config: DoraConfig) -> dict[str, type[Record]]:
     types: dict[str, type[Record]] = {topics.PROMPTS: Prompt, topics.VERSIONS: PolicyVersion,
                                       topics.TRAJECTORIES: Trajectory, topics.SCORED: Trajectory,
                                       topics.DLQ: DeadLetter, topics.BATCHES: TrainBatch}
-    if config.mode in ("dora", "partial"):
+    if config.mode == "dora" or config.mixes_versions:
         types[topics.TOKENS] = TokenChunk  # aborted partials of migrating trajectories
         types[topics.INSTANCES] = InstanceStatus  # heartbeats: which instances are alive
     return types
@@ -149,7 +149,7 @@ class Orchestrator:
                 continue
             chunk: TokenChunk = mig.partial
             extra: dict[str, Any] = {}
-            if self.config.mode == "partial":
+            if self.config.mixes_versions:
                 tv = self.segments.setdefault(mig.trajectory_id, [])
                 tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
                 extra = {"partial_versions": np.asarray(tv, dtype=np.int64)}

@@ -1,4 +1,5 @@
-"""The partial-rollout baseline (``mode = "partial"``): DORA's machinery with one version for all.
+"""The partial-rollout baselines (``mode = "partial"``, held to the bound, and ``"partial_unbounded"``): DORA's
+machinery with one version for all.
 
 Over-provision, abort stragglers, resume under new weights: see :class:`PartialScheduler`. It reuses
 :class:`~dora_rl.streams.dora_policy.DoraScheduler` and its state, changing only which version may be
@@ -23,14 +24,19 @@ class PartialScheduler(DoraScheduler[P]):
     All instances always hold the newest version. When version ``V`` is published every
     trajectory still decoding under an older version is cancelled and resumed on an instance
     holding ``V`` from its partial tokens, so one trajectory mixes versions (breaks C1 by design;
-    per-token versions are recorded). No staleness window applies to dispatch: a trajectory's
-    staleness is counted from its *first* token's version and is only measured.
+    per-token versions are recorded). A trajectory's staleness is counted from its *first* token's
+    version: held to ``max_staleness`` in ``partial``, only measured in ``partial_unbounded``.
     """
 
     def feasible(self, version: int, n: int) -> bool:
+        """The newest version only, within RBS and the run's budget, and (``partial``, bounded) the EDF
+        condition of the planner with the run's bound: a trajectory's deadline counts from its first
+        version, which is the planner's ``version_of`` (a resume moves ``state.trajs[t].version`` to the
+        newest version, never the planner's), so C3 holds for the oldest token of every trajectory. With
+        ``partial_unbounded`` the bound is the run's length and the condition never binds."""
         st = self.state
         return (version == st.latest and self.unconsumed() + n <= self.rbs
-                and st.dispatched + n <= self.steps * self.tbs)
+                and st.dispatched + n <= self.steps * self.tbs and self.planner.can_add(version, n))
 
     def repartition(self) -> list[Cancel]:
         self.repartitions += 1

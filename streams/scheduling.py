@@ -303,6 +303,6 @@ def make_scheduler(config: DoraConfig) -> SchedulingRules[Any]:
 
     if config.mode == "dora":
         return DoraScheduler(config)
-    if config.mode == "partial":
+    if config.mixes_versions:
         return PartialScheduler(config)
     return Scheduler(config)

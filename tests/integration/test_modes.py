@@ -47,7 +47,7 @@ def test_partial_mode_breaks_c1_and_the_audit_reports_it(bootstrap: str, dora_ho
     # cap at 0.08 s a step. The first batch needs the 4 quickest of the 16 groups; the last capped one ends
     # 12.8 s in. Over 4,000 drawn run ids that gap was under 3 s in 0.08% of them (p1 11.4 s); with the
     # former 12 groups at a 25% cap of 96 tokens it was under 3 s in 18%, and the test failed in CI.
-    report = _run(bootstrap, mode="partial", rollout_batch_size=64, max_new_tokens=160,
+    report = _run(bootstrap, mode="partial_unbounded", rollout_batch_size=64, max_new_tokens=160,
                   emulated={**BASE["emulated"], "base_step_s": 0.08, "cap_fraction": 0.15, "length_median": 4})
     assert report.c1_breaks_expected > 0, report.render()
     assert report.c1_mixed_versions == 0  # reported as expected breaks, not as violations

@@ -95,8 +95,18 @@ def test_what_the_rules_keep_between_calls_changes_no_decision(policy: str, monk
 
 
 def test_partial_mode_breaks_c1_by_design() -> None:
-    r = simulate(_cfg("partial", 0, 64), EmulatedParams(time_scale=0.0, seed=1))
+    r = simulate(_cfg("partial_unbounded", 0, 64), EmulatedParams(time_scale=0.0, seed=1))
     assert r.steps == BASE["steps"] and r.mixed_version_trajectories > 0
+    assert max(r.staleness) > 1  # unbounded: measured, never enforced
+
+
+@pytest.mark.parametrize("s", [1, 2])
+def test_bounded_partial_mixes_versions_but_holds_its_bound(s: int) -> None:
+    """``partial`` is held to S like dora: staleness counted from the oldest version that wrote a token."""
+    params = EmulatedParams(time_scale=0.0, seed=1)
+    bounded = simulate(_cfg("partial", s, 64), params)
+    assert bounded.steps == BASE["steps"] and bounded.mixed_version_trajectories > 0
+    assert max(bounded.staleness) <= s
 
 
 def test_dora_beats_sync_and_one_step_off_on_long_tails() -> None:

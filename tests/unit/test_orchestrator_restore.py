@@ -34,7 +34,7 @@ def _cfg(mode: str, s: int, policy: str = "migrate") -> DoraConfig:
                                  "instance_timeout_s": 5.0, "repartition_policy": policy})
 
 
-ELASTIC = ("dora", "partial")  # modes whose instances come and go: instance 1 is lost, instance 2 joins
+ELASTIC = ("dora", "partial", "partial_unbounded")  # instances come and go: instance 1 is lost, instance 2 joins
 LOST_AT, JOIN_AT = 6.0, 12.0
 
 
@@ -135,7 +135,9 @@ def _wire(outs: list[OutRecord]) -> list[tuple[str, str, int | None, bytes]]:
 
 
 @pytest.mark.parametrize(("mode", "s", "seed", "policy"), [("dora", 1, 0, "migrate"), ("dora", 2, 1, "migrate"),
-                                                           ("sync", 0, 2, "migrate"), ("partial", 0, 3, "migrate"),
+                                                           ("sync", 0, 2, "migrate"),
+                                                           ("partial_unbounded", 0, 3, "migrate"),
+                                                           ("partial", 1, 3, "migrate"),
                                                            ("dora", 1, 1, "drain"), ("dora", 2, 0, "drain")])
 def test_crash_at_every_record_boundary_gives_the_uninterrupted_output(mode: str, s: int, seed: int,
                                                                        policy: str) -> None:
@@ -144,7 +146,7 @@ def test_crash_at_every_record_boundary_gives_the_uninterrupted_output(mode: str
     factory = lambda: Orchestrator(RUN, config)  # noqa: E731
     clean = MemoryDriver(factory, inputs, times).run()
     assert any(o.topic == topics.SCHEDULE for o in clean)
-    if mode in ("dora", "partial"):
+    if mode in ELASTIC:
         refused = {r.record.group_id for r in inputs if r.topic == topics.DLQ}  # its members are cancelled
         migrations = any(o.topic == topics.REQUESTS and o.record.action == "CANCEL" and o.record.group_id not in refused
                          for o in clean)
