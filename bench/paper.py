@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--mode", choices=("sync", "one_step_off", "partial", "dora"), required=True)
+    ap.add_argument("--mode", choices=("sync", "one_step_off", "partial", "partial_bounded", "dora"), required=True)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--rollout-gpus", type=int, default=32, help="disaggregated modes: GPUs that generate")
     ap.add_argument("--rbs-factor", type=float, default=2.0)
@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)
     ap.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/paper-dora-<ts>.json)")
     a = ap.parse_args(argv)
-    s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "dora": 2}[a.mode]
+    s = a.staleness if a.staleness is not None else {"sync": 0, "one_step_off": 1, "partial": 0, "partial_bounded": 2,
+                                                     "dora": 2}[a.mode]
     st = (Setting("sync", 0, 1.0, a.gpus, a.gpus, colocated=True, max_num_seqs=a.max_num_seqs) if a.mode == "sync"
           else Setting(a.mode, s, a.rbs_factor, a.rollout_gpus, a.gpus - a.rollout_gpus, max_num_seqs=a.max_num_seqs,
                        repartition=a.repartition))

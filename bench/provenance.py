@@ -36,5 +36,5 @@ def write_result(prefix: str, out: dict[str, Any], explicit: str | None = None) 
 def config_mode(label: str) -> str:
     """The ``DoraConfig.mode`` a bench's mode label runs. The benches' ``partial`` is the unbounded baseline
     every committed figure labelled "partial" measured (``partial_unbounded`` since ``partial`` is held to
-    the run's bound, decision 0047); the bounded one is not in their sweeps yet (issue 29)."""
-    return "partial_unbounded" if label == "partial" else label
+    the run's bound, decision 0047); ``partial_bounded`` runs the bounded one, not in their sweeps yet (issue 29)."""
+    return {"partial": "partial_unbounded", "partial_bounded": "partial"}.get(label, label)
