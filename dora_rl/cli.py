@@ -31,12 +31,14 @@ from dora_rl.infra.logs import setup_logging
 from dora_rl.roles import ROLES
 
 
-def _bootstrap(args: argparse.Namespace, start: bool = False) -> str:
-    from dora_rl.infra.broker import resolve_bootstrap
+def _bootstrap(args: argparse.Namespace, start: bool = False, check: bool = True) -> str:
+    from dora_rl.infra.broker import require_reachable, resolve_bootstrap
     from dora_rl.launcher import embedded_broker
 
     given = resolve_bootstrap(args.bootstrap_servers)
     if given:
+        if check:  # roles pass False: they wait out a broker restart in the client's retries
+            require_reachable(given)
         return given
     broker = embedded_broker()
     if broker.is_running():
@@ -160,7 +162,8 @@ def cmd_role(args: argparse.Namespace) -> int:
     if args.advertised_host:
         os.environ[ADVERTISED_ENV] = args.advertised_host
     index: int | str = args.index if args.index == "auto" else int(args.index)
-    return start_role(args.command, _bootstrap(args), args.run_id, index, instance_name=args.instance_name)
+    return start_role(args.command, _bootstrap(args, check=False), args.run_id, index,
+                      instance_name=args.instance_name)
 
 
 def cmd_create(args: argparse.Namespace) -> int:

@@ -60,10 +60,11 @@ class DoraConfig:
     num_instances: int = 1
     """Rollout instances (processes), each holding exactly one policy version at a time."""
 
-    max_instances: int = 16
+    max_instances: int = 0
     """Rollout instance indices that may ever serve this run (the configured ones and any that join
     later, ``streams/membership.py``): the request topic gets at least this many partitions (instance
-    ``i`` reads partition ``i``; ``dora-rl run`` grows the topic when it has fewer)."""
+    ``i`` reads partition ``i``; ``dora-rl run`` grows the topic when it has fewer). 0: ``max(16,
+    num_instances)`` (:attr:`instance_limit`), so ``--instances 24`` needs nothing else."""
 
     instance_concurrency: int = 1024
     """Maximum trajectories one instance decodes at once (its batch capacity)."""
@@ -284,7 +285,7 @@ class DoraConfig:
         StalenessBound(self.max_staleness)  # raises on a negative bound
         if self.steps < 1 or self.num_instances < 1 or self.instance_concurrency < 1 or self.max_attempts < 1:
             raise ValueError("steps, num_instances, instance_concurrency and max_attempts must be >= 1")
-        if self.num_instances > self.max_instances:
+        if self.num_instances > self.instance_limit:
             raise ValueError(f"num_instances ({self.num_instances}) must be <= max_instances ({self.max_instances}): "
                              "instance i reads partition i of the request topic")
         if self.lm_head_fp32 and self.engine == "vllm":
@@ -316,6 +317,11 @@ class DoraConfig:
             # the unbounded baseline: staleness is measured, never enforced (nothing is refused)
             return dataclasses.replace(self, max_staleness=self.steps)
         return self
+
+    @property
+    def instance_limit(self) -> int:
+        """``max_instances``, or when it is 0 (unset) ``max(16, num_instances)``."""
+        return self.max_instances or max(16, self.num_instances)
 
     @property
     def mixes_versions(self) -> bool:

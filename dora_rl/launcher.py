@@ -60,6 +60,9 @@ def embedded_broker() -> Any:
 def ensure_broker(bootstrap: str | None) -> str:
     """``bootstrap`` if given, else the embedded broker's (started if it is not running)."""
     if bootstrap:
+        from dora_rl.infra.broker import require_reachable
+
+        require_reachable(bootstrap)  # one line at once, not a client's error stream then a traceback
         return bootstrap
     broker = embedded_broker()
     if not broker.is_running():
@@ -162,7 +165,7 @@ def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tup
     """Record a run without starting any role (``dora-rl create``): the topics, the run on ``dora.runs``
     (config and start offsets: what every role on any host joins from), and the weight-channel token
     in ``<run dir>/weight-token`` (mode 0600; never on a topic). Returns the run and the token file."""
-    prepare_topics(bootstrap, config.num_partitions, config.max_instances)
+    prepare_topics(bootstrap, config.num_partitions, config.instance_limit)
     info = start_run(bootstrap, config, run_id)
     rdir = run_dir(info.run_id)
     (rdir / "config.json").write_text(config.to_json())

@@ -95,7 +95,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
             raise ValueError(f"--index auto is for rollout instances, not {role}")
         from dora_rl.producers.rollout.identity import claim_index, default_name
 
-        index = claim_index(bootstrap, info.run_id, config.max_instances, start, instance_name or default_name(),
+        index = claim_index(bootstrap, info.run_id, config.instance_limit, start, instance_name or default_name(),
                             config.instance_concurrency)
     index = int(index)
     log.info("starting %s for run %s (mode %s)", role, info.run_id, config.mode)

@@ -99,6 +99,29 @@ def resolve_bootstrap(cli_value: str | None) -> str | None:
     return cli_value or os.environ.get(BOOTSTRAP_ENV) or None
 
 
+class BrokerUnreachable(RuntimeError):
+    """No server of a bootstrap list accepts a connection (the user-facing commands say so in one line)."""
+
+
+def require_reachable(bootstrap: str, timeout_s: float = 3.0) -> None:
+    """Raise :class:`BrokerUnreachable` unless some ``host:port`` of ``bootstrap`` accepts a TCP connection
+    within ``timeout_s`` (for the commands a person runs; roles rely on the client's own retries, so a
+    broker restart never fails them)."""
+    import socket
+
+    reasons = []
+    for entry in (e.strip() for e in bootstrap.split(",") if e.strip()):
+        address = entry.split("://", 1)[-1]
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+                return
+        except (OSError, ValueError) as exc:
+            reasons.append(f"{entry}: {exc}")
+    raise BrokerUnreachable(f"no Kafka broker at {bootstrap} ({'; '.join(reasons)}); start one with "
+                            "`dora-rl broker start`, or leave out --bootstrap-servers to use the embedded broker")
+
+
 class LocalBroker:
     """One KRaft node (combined broker+controller) listening on *host* (default 127.0.0.1).
 

@@ -43,3 +43,11 @@ def test_every_problem_is_named_at_once_and_good_values_pass() -> None:
         DoraConfig.from_dict({"max_stalenes": 2})
     with pytest.raises(ValueError, match="must be one of"):
         DoraConfig(mode="async").validate()  # type: ignore[arg-type]  # direct construction is checked too
+
+
+def test_max_instances_follows_the_instance_count_unless_set() -> None:
+    assert DoraConfig.from_dict({"num_instances": 24}).instance_limit == 24  # refused before unless raised too
+    assert DoraConfig().instance_limit == 16
+    assert DoraConfig.from_dict({"num_instances": 4, "max_instances": 8}).instance_limit == 8
+    with pytest.raises(ValueError, match="must be <= max_instances"):
+        DoraConfig.from_dict({"num_instances": 9, "max_instances": 8})
