@@ -122,6 +122,19 @@ def sequence_logprobs(
     return logp * mask, mask
 
 
+def response_targets(response_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(targets, mask)``, both ``[B, R]`` long (``R`` = the longest response, at least 1): the responses
+    right-padded with ``pad_id``, and 1 on their real tokens."""
+    r_len = max(1, max(len(r) for r in response_ids))
+    targets = torch.full((len(response_ids), r_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(response_ids), r_len), dtype=torch.long)
+    for b, r in enumerate(response_ids):
+        if r:
+            targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+            mask[b, :len(r)] = 1
+    return targets, mask
+
+
 def packed_logprobs(
     model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
@@ -143,15 +156,9 @@ def packed_logprobs(
         ids.extend(r)
         pos.extend(range(len(p) + len(r)))
         keep.extend(range(start + len(p) - 1, start + len(p) - 1 + len(r)))
-    r_len = max(1, max(len(r) for r in response_ids))
-    n = len(response_ids)
-    targets = torch.full((n, r_len), 0, dtype=torch.long)
-    mask = torch.zeros((n, r_len), dtype=torch.float32)
-    for b, r in enumerate(response_ids):
-        targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-        mask[b, :len(r)] = 1.0
-    targets, mask = targets.to(dev), mask.to(dev)
-    logp = torch.zeros((n, r_len), dtype=torch.float32, device=dev)
+    targets, r_mask = response_targets(response_ids, 0)
+    targets, mask = targets.to(dev), r_mask.to(dev, torch.float32)
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
     if keep:
         out = model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
                     attention_mask=None, use_cache=False, logits_to_keep=torch.tensor(keep, device=dev))
@@ -173,14 +180,8 @@ def _shared_prefix_logprobs(
                 use_cache=True, logits_to_keep=1)
     idx = torch.tensor(row_u, dtype=torch.long, device=dev)
     first = out.logits[:, -1:, :][idx]  # predicts response token 0
-    r_len = max(1, max(len(r) for r in response_ids))
-    n = len(response_ids)
-    targets = torch.full((n, r_len), pad_id, dtype=torch.long)
-    r_mask = torch.zeros((n, r_len), dtype=torch.long)
-    for b, r in enumerate(response_ids):
-        if r:
-            targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-            r_mask[b, :len(r)] = 1
+    targets, r_mask = response_targets(response_ids, pad_id)
+    r_len = targets.shape[1]
     targets, r_mask = targets.to(dev), r_mask.to(dev)
     logits = first
     if r_len > 1:

@@ -4,6 +4,7 @@ the config defaults that depend on the model (``DoraConfig.warmup_steps``)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,9 @@ from dora_rl.consumers.trainer.grpo import sequence_logprobs
 from dora_rl.consumers.trainer.step import build_state, precision
 from dora_rl.consumers.trainer.update import Sample, policy_update
 from dora_rl.modeling import build_tiny_model, load_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from gpu_sections import fresh_groups  # the GPU check's own batch: one definition for both
 
 PROMPTS = [[1, 5, 6, 7, 8]] * 3 + [[1, 9, 9]] * 2  # two GRPO groups: the shared-prefix path applies
 RESPONSES = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [20], [21, 22]]
@@ -88,25 +92,10 @@ def test_config_defaults_and_checks(tmp_path: Path) -> None:
     assert dataclasses.replace(ok, device="cuda:1").validate().device == "cuda:1"
 
 
-def _many_groups(model: torch.nn.Module, groups: int = 32, size: int = 4) -> list[Sample]:
-    """``groups`` x ``size`` samples with behaviour log-probs equal to the model's own (fresh data, so the
-    ratio starts at 1 and moves only through the update's own optimizer steps)."""
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for k in range(groups):
-        prompt = [1, *torch.randint(4, 40, (4 + k % 3,), generator=g).tolist()]
-        for j in range(size):
-            resp = torch.randint(4, 40, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-            with torch.no_grad():
-                own, _ = sequence_logprobs(model, [prompt], [resp])
-            out.append(Sample(prompt, resp, own[0].tolist(), float((j + k) % 3 == 0), f"g{k}"))
-    return out
-
-
 def _moved(path: Path, dtype: str, samples: list[Sample] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Δθ (flat) and the stats of one 8-minibatch update under ``precision`` of ``dtype``."""
     model, _ = load_policy(path)
-    samples = samples if samples is not None else _many_groups(model)
+    samples = samples if samples is not None else fresh_groups(model, 32)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)  # the product's lr
     with precision(DoraConfig(model=str(path), dtype=dtype).validate()):  # type: ignore[arg-type]
@@ -123,7 +112,7 @@ def test_bf16_update_sees_its_own_optimizer_steps(tmp_path: Path) -> None:
     on, 0.83 and clip fraction 0."""
     path = build_tiny_model(tmp_path / "m", "1m", seed=2)
     model, _ = load_policy(path)
-    samples = _many_groups(model)
+    samples = fresh_groups(model, 32)
     d32, s32 = _moved(path, "fp32", samples)
     d16, s16 = _moved(path, "bf16", samples)
     rel = float((d16 - d32).norm() / d32.norm())

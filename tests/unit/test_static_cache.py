@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from dora_rl.modeling import build_tiny_model, encode_prompt, load_policy
+from dora_rl.modeling import encode_prompt
 from dora_rl.producers.rollout import torch_batch as tb
 from dora_rl.producers.rollout.engine import GenRequest, GenResult
 from dora_rl.producers.rollout.torch_engine import TorchEngine
@@ -25,14 +25,6 @@ torch.set_num_threads(1)
 
 PROMPTS = ["abc=", "jihgfedcba=", "a=", "cafebabe=", "ddddddddddddddddddddddddddddd="]
 ENGINE = "dora_rl.producers.rollout.torch_engine"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory):
-    model, tok = load_policy(build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "1m", seed=0))
-    with torch.no_grad():  # sharpen the random init: next-token distributions far from uniform
-        model.model.embed_tokens.weight.mul_(3.0)
-    return model, tok
 
 
 @pytest.fixture
@@ -127,12 +119,12 @@ def _run(model, tok, static: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[lis
 
 @pytest.mark.parametrize("columns", [256, 8])
 @pytest.mark.usefixtures("nan_poison")
-def test_static_cache_samples_like_dynamic_with_few_key_widths(tiny, monkeypatch: pytest.MonkeyPatch,
+def test_static_cache_samples_like_dynamic_with_few_key_widths(sharp_tiny, monkeypatch: pytest.MonkeyPatch,
                                                                 columns: int) -> None:
     """Same tokens (and log-probs to 1e-5) in both modes; the static decode key width is a multiple of
     ``STATIC_COLUMNS`` equal to the mask's, takes few values, while the dynamic one grows every step.
     ``columns=8`` makes the window cross many multiples (buffer growth, trims across a multiple)."""
-    model, tok = tiny
+    model, tok = sharp_tiny
     monkeypatch.setattr(tb, "STATIC_COLUMNS", columns)
     with monkeypatch.context() as m:
         dyn, dprobe = _run(model, tok, False, m)
@@ -158,11 +150,11 @@ def test_static_cache_samples_like_dynamic_with_few_key_widths(tiny, monkeypatch
         assert distinct >= 3
 
 
-def test_static_layer_keeps_columns_past_the_window_zero(tiny) -> None:
+def test_static_layer_keeps_columns_past_the_window_zero(sharp_tiny) -> None:
     """The layer invariant directly: after prefill, joins (slot and appended, wider), trim, decode
     steps past buffer growth and compaction, every buffer column from the window's end is zero and
     the key width reported to the mask builder equals the width ``update`` returns."""
-    model, _ = tiny
+    model, _ = sharp_tiny
     seqs = [[1, *range(14, 20), 44], [1, 14, 44], [1, *range(14, 40), 44]]
 
     def check(batch: tb.Batch) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dora_rl.consumers.trainer.grpo import sequence_logprobs
-from dora_rl.modeling import build_tiny_model, encode_prompt, load_policy
+from dora_rl.modeling import encode_prompt
 from dora_rl.producers.rollout import torch_batch as tb
 from dora_rl.producers.rollout.engine import GenRequest, GenResult
 from dora_rl.producers.rollout.torch_engine import TorchEngine
@@ -20,14 +20,6 @@ from dora_rl.producers.rollout.torch_engine import TorchEngine
 torch.set_num_threads(1)
 
 PROMPTS = ["abc=", "jihgfedcba=", "a=", "cafebabe=", "ddddddddddddddddddddddddddddd="]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory):
-    model, tok = load_policy(build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "1m", seed=0))
-    with torch.no_grad():  # sharpen the random init: next-token distributions far from uniform
-        model.model.embed_tokens.weight.mul_(3.0)
-    return model, tok
 
 
 def _req(tok, rid: str, prompt: str, max_new: int, partial: GenResult | None = None, k: int = 0) -> GenRequest:
@@ -73,8 +65,8 @@ def _generate_in_thread(eng: TorchEngine, reqs: list[GenRequest], rec: _Recorder
     return t, box
 
 
-def test_added_request_starts_before_the_running_rows_finish(tiny) -> None:
-    model, tok = tiny
+def test_added_request_starts_before_the_running_rows_finish(sharp_tiny) -> None:
+    model, tok = sharp_tiny
     eng = TorchEngine(model, tok, eos_id=10**6, seed=2)  # never stops: every row runs to its cap
     first = [_req(tok, f"r{i}", p, max_new=60) for i, p in enumerate(PROMPTS[:3])]
     # A GRPO group of identical prompts (computed once), one longer than any running row (the running
@@ -124,8 +116,8 @@ def test_added_request_starts_before_the_running_rows_finish(tiny) -> None:
     assert not eng.add(joined[:1])  # the call is over
 
 
-def test_added_resume_continues_exactly_and_chunks_only_new_tokens(tiny) -> None:
-    model, tok = tiny
+def test_added_resume_continues_exactly_and_chunks_only_new_tokens(sharp_tiny) -> None:
+    model, tok = sharp_tiny
     eng = TorchEngine(model, tok, eos_id=10**6, seed=4)
     alone = eng.generate([_req(tok, "x", PROMPTS[1], max_new=20)])[0]
     rec, started, added = _Recorder(), threading.Event(), threading.Event()
@@ -152,8 +144,8 @@ def test_added_resume_continues_exactly_and_chunks_only_new_tokens(tiny) -> None
                   [x, res["run"]]) < 1e-4
 
 
-def test_abort_of_joined_requests_and_rejoin_under_the_same_id(tiny) -> None:
-    model, tok = tiny
+def test_abort_of_joined_requests_and_rejoin_under_the_same_id(sharp_tiny) -> None:
+    model, tok = sharp_tiny
     eng = TorchEngine(model, tok, eos_id=10**6, seed=6)
     rec = _Recorder()
     step = {"n": 0}
@@ -211,8 +203,8 @@ def test_abort_of_joined_requests_and_rejoin_under_the_same_id(tiny) -> None:
     assert not eng.add([_req(tok, "c", PROMPTS[1], max_new=5)])
 
 
-def test_model_without_mergeable_cache_batches_statically(tiny) -> None:
-    model, tok = tiny
+def test_model_without_mergeable_cache_batches_statically(sharp_tiny) -> None:
+    model, tok = sharp_tiny
     eng = TorchEngine(model, tok, seed=0)
     assert eng.continuous
     eng.continuous = False  # what a model with sliding-window cache layers gets
@@ -228,11 +220,11 @@ def test_model_without_mergeable_cache_batches_statically(tiny) -> None:
     assert answer == [False] and [r.request_id for r in res] == ["r"]
 
 
-def test_batch_rows_reuse_slots_widen_trim_and_compact_as_if_alone(tiny) -> None:
+def test_batch_rows_reuse_slots_widen_trim_and_compact_as_if_alone(sharp_tiny) -> None:
     """The batch mechanics directly: after every join (into a finished row's slot, appended, wider
     than the batch), trim and compaction, each live row's next-token logits equal a forward over its
     own sequence alone."""
-    model, _ = tiny
+    model, _ = sharp_tiny
     seqs: dict[int, list[int]] = {0: [1, 14, 15, 16, 44], 1: [1, *range(14, 25), 44], 2: [1, 14, 44],
                                   3: [1, 20, 21, 44], 4: [1, 20, 21, 44], 5: [1, *range(14, 40), 44], 6: [1, 30, 44]}
 
@@ -279,10 +271,10 @@ def test_batch_rows_reuse_slots_widen_trim_and_compact_as_if_alone(tiny) -> None
         step(batch, live, 40)  # past the buffers' first slack: they grow
 
 
-def test_refill_on_finish_like_the_worker_is_exact(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refill_on_finish_like_the_worker_is_exact(sharp_tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """A slot freed by a finished request is refilled at once (the worker's pattern under a capacity):
     joiners take the finished rows' slots; every log-prob still matches the trainer's recompute."""
-    model, tok = tiny
+    model, tok = sharp_tiny
     eng = TorchEngine(model, tok, eos_id=10**6, seed=8)
     reqs = [_req(tok, f"q{i}", PROMPTS[i % len(PROMPTS)] * (1 + i % 3), max_new=4 + 7 * (i % 4)) for i in range(14)]
     queue = list(reqs[6:])
