@@ -147,14 +147,15 @@ def _pad_rows(index: Sequence[int], rows: dict[int, torch.Tensor], like: torch.T
 @torch.no_grad()
 def proximal_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                       order: list[int], temperature: float, pad_id: int, micro_tokens: int,
-                      share_prompts: bool = True) -> dict[int, torch.Tensor]:
+                      share_prompts: bool = True, packed: bool = False) -> dict[int, torch.Tensor]:
     """Log-probs of ``responses[i]`` (``i`` in ``order``) under the model's current weights, no gradient:
     ``{i: logp [len(responses[i])]}`` — the proximal policy of decoupled PPO. One model call per
-    micro-batch of ``micro_batches(order, ...)`` when ``share_prompts`` is False."""
+    micro-batch of ``micro_batches(order, ..., packed)`` when ``share_prompts`` is False or ``packed``."""
     out: dict[int, torch.Tensor] = {}
-    for micro in micro_batches(order, prompts, responses, micro_tokens):
+    for micro in micro_batches(order, prompts, responses, micro_tokens, packed):
         logp, _ = sequence_logprobs(model, [prompts[i] for i in micro], [responses[i] for i in micro],
-                                    temperature=temperature, pad_id=pad_id, share_prompts=share_prompts)
+                                    temperature=temperature, pad_id=pad_id, share_prompts=share_prompts,
+                                    packed=packed)
         for row, i in enumerate(micro):
             out[i] = logp[row, : len(responses[i])].clone()
     return out
@@ -205,13 +206,14 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samp
     proximal: dict[int, torch.Tensor] = {}
     if decoupled and dp is None:
         proximal = proximal_logprobs(model, prompts, responses, prompt_order(samples, live_all), temperature, pad_id,
-                                     micro_tokens)
+                                     micro_tokens, packed=packed)
     elif decoupled and dp is not None:  # each rank: the rows it will train in any epoch, padded with dummies
         mine = [sorted({i for epoch in schedule for chunk in epoch for i in rank_rows(samples, chunk, dp)[r]
                         if i in live_set}) for r in range(dp.world)]
-        counts = [len(micro_batches(prompt_order(samples, rows), prompts, responses, micro_tokens)) for rows in mine]
+        counts = [len(micro_batches(prompt_order(samples, rows), prompts, responses, micro_tokens, packed))
+                  for rows in mine]
         proximal = proximal_logprobs(model, prompts, responses, prompt_order(samples, mine[dp.rank]), temperature,
-                                     pad_id, micro_tokens, share_prompts=False)
+                                     pad_id, micro_tokens, share_prompts=False, packed=packed)
         with torch.no_grad():
             for _ in range(max(counts) - counts[dp.rank]):
                 _dummy_pass(model, samples[0], temperature, pad_id, backward=False)

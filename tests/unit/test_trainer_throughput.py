@@ -72,7 +72,8 @@ def _samples(model: torch.nn.Module, stale_every: int = 0) -> list[Sample]:
     return out
 
 
-def test_packed_loss_and_update_equal_padded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_packed_loss_and_update_equal_padded(tmp_path: Path, decoupled: bool) -> None:
     path = build_tiny_model(tmp_path / "m", "1m", seed=1)
     model, _ = load_policy(path)
     samples = _samples(model)
@@ -86,7 +87,7 @@ def test_packed_loss_and_update_equal_padded(tmp_path: Path) -> None:
         m, _ = load_policy(path)
         before = torch.cat([p.detach().flatten().clone() for p in m.parameters()])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        stats = policy_update(m, opt, samples, minibatches=2, micro_tokens=64, packed=pack)
+        stats = policy_update(m, opt, samples, minibatches=2, micro_tokens=64, packed=pack, decoupled=decoupled)
         moved[pack] = (torch.cat([p.detach().flatten() for p in m.parameters()]) - before, stats)
     rel = float((moved[True][0] - moved[False][0]).norm() / moved[False][0].norm())
     assert rel < 1e-3, rel
