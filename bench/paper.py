@@ -108,14 +108,18 @@ class Setting:
     """GPUs per rollout instance (``bench/paper_tp.py`` varies it; every other bench keeps the recipe's 4)."""
     hop_latency_s: float = 0.0
     """All-reduce hop latency; it changes nothing at ``tp == 4`` (``hardware_costs.step_overhead_s``)."""
+    ablate: str = ""
+    """One ``consolidate`` rule turned off (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
+    again), ``kv_slots_off`` (no KV-aware slots), ``levelling_off``, ``pack_due``; empty: none."""
 
     @property
     def name(self) -> str:
         lay = "colocated" if self.colocated else f"{self.rollout_gpus}r+{self.train_gpus}t"
-        policy = " drain" if self.repartition == "drain" else ""
+        policy = "" if self.repartition == "migrate" else f" {self.repartition}"
         tp = "" if self.tp == TP else f" tp={self.tp} hop={self.hop_latency_s * 1e6:g}us"
+        off = f" {self.ablate}" if self.ablate else ""
         return (f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}"
-                f"{policy}{tp}")
+                f"{policy}{tp}{off}")
 
 
 def settings(mode: str, gpus: int, tps: tuple[int, ...] = (TP,), hop_us: float = 0.0) -> list[Setting]:
@@ -140,6 +144,10 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     """Simulate one setting and seed; the figures of the steady steps."""
     w = replace(w, max_num_seqs=setting.max_num_seqs)
     p = w.params(eff, seed, setting.tp, setting.hop_latency_s)
+    if setting.ablate == "kv_moves_off":
+        p = replace(p, kv_move_s_per_token=0.0)
+    ablation = {"kv_slots_off": {"instance_kv_tokens": 0}, "levelling_off": {"consolidate_level": False},
+                "pack_due": {"consolidate_unpack_due": False}}.get(setting.ablate, {})
     n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
     from provenance import config_mode
@@ -150,7 +158,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
         "group_size": w.group, "rollout_batch_size": rbs, "num_instances": n_inst,
         "instance_concurrency": w.max_num_seqs, "max_new_tokens": w.cap, "engine": "emulated",
         "num_partitions": max(16, n_inst), "max_instances": max(16, n_inst),
-        "repartition_policy": setting.repartition})
+        "repartition_policy": setting.repartition, "instance_kv_tokens": p.kv_capacity_tokens, **ablation})
     spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
@@ -174,7 +182,7 @@ def figures(r: SimResult, setting: Setting, w: Workload, n_inst: int) -> dict[st
     idle = lost.idle_s * tp - (train_gpu_s if setting.colocated else 0.0)
     parts = {"train": train_gpu_s, "decode": (lost.decode_s - lost.intra_bubble_s) * tp,
              "intra_instance_bubble": lost.intra_bubble_s * tp, "prefill": lost.prefill_s * tp,
-             "re_prefill": lost.reprefill_s * tp, "weight_sync": lost.switch_s * tp,
+             "re_prefill": lost.reprefill_s * tp, "kv_move": lost.kv_move_s * tp, "weight_sync": lost.switch_s * tp,
              "inter_instance_bubble": max(0.0, idle),
              "trainer_wait": 0.0 if setting.colocated else (r.wall_s - r.trainer_busy_s) * setting.train_gpus}
     return {"step_time_s": span / len(steps), "throughput": sum(r.step_tokens[k0:]) / span,
@@ -293,7 +301,8 @@ def evaluate(gpus: int, w: Workload, eff: Efficiencies, seeds: list[int], log: A
 BOUND_GOAL = 0.85
 """The issue's goal for dora's fraction of the bubble-free bound."""
 
-LOST = ("intra_instance_bubble", "inter_instance_bubble", "trainer_wait", "weight_sync", "re_prefill", "prefill")
+LOST = ("intra_instance_bubble", "inter_instance_bubble", "trainer_wait", "weight_sync", "re_prefill", "kv_move",
+        "prefill")
 """GPU-time shares that are not useful work (decoding occupied slots and training are)."""
 
 
@@ -334,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staleness", type=int, default=None, help="default: sync/partial 0, one_step_off 1, dora 2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--repartition", choices=("migrate", "drain"), default="migrate", help="dora's policy")
+    ap.add_argument("--repartition", choices=("migrate", "drain", "consolidate"), default="migrate",
+                    help="dora's policy")
     ap.add_argument("--tbs", type=int, default=Workload().tbs, help="trajectories per batch (G = 16)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--train-mfu", type=float, default=Efficiencies().train_mfu)

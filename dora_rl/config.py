@@ -228,7 +228,7 @@ class DoraConfig:
     """``dora`` mode: re-partition instances across live versions at least this often (also after every
     update and under load pressure)."""
 
-    repartition_policy: Literal["migrate", "drain"] = "drain"
+    repartition_policy: Literal["migrate", "drain", "consolidate"] = "drain"
     """``dora`` mode: what a re-partition does to an instance it moves to another version. ``migrate``:
     its in-flight trajectories are cancelled and resumed, with their partial tokens, on another instance
     of their version, and it switches at once. ``drain``: it gets no new work of its version and
@@ -237,6 +237,20 @@ class DoraConfig:
     (decision 0029: on the paper-shaped workload, migration into full instances made the trainer wait).
     ``drain`` is the default since decision 0033: it was measured ahead on every workload tried (``bench/modes``
     +7-9%, the paper's setup at 64 and 128 GPUs) and ``migrate`` collapses at 512+ GPUs (0.53x sync)."""
+
+    instance_kv_tokens: int = 0
+    """KV cache of one rollout instance, in tokens (0: unknown). With ``repartition_policy = "consolidate"``
+    it sets how many requests an instance is given (``streams/kv_room.py``: KV room over the busy context
+    estimated from completed trajectories); 0 leaves ``instance_concurrency`` as the only limit."""
+
+    consolidate_level: bool = True
+    """``consolidate``: while the newest version can be given no work, spread instances over the versions
+    in flight and level each version's work over its instances (KV moves; ``streams/kv_room.py``). Off:
+    old versions stay packed (an ablation switch)."""
+
+    consolidate_unpack_due: bool = True
+    """``consolidate``: a version trained at the next step keeps its instances (its stragglers are not
+    packed). Off: it is packed like any old version (an ablation switch)."""
 
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""

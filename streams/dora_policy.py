@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from dora_rl.config import DoraConfig
 
 from .dora_state import LOST, DoraState, ResumeQueue, TrajState
+from .kv_room import LengthMoments, consolidated_quotas, excess, keep_order, kv_slots
 from .membership import Membership
 from .planning import Planner
 from .repartition import assign, drain_moves, drained, quotas
@@ -91,8 +92,14 @@ class DoraScheduler(Generic[P]):
         self.members = Membership(config.num_instances, config.instance_timeout_s)
         self.redispatched = 0
         self.drain = config.repartition_policy == "drain"
+        self.consolidate = config.repartition_policy == "consolidate"
+        self.kv_tokens = config.instance_kv_tokens
+        self.lengths = LengthMoments()  # completed trajectories' token counts (:mod:`.kv_room`)
+        self.unpack_due = config.consolidate_unpack_due
+        self.level = config.consolidate_level
+        self.slots = self.capacity  # requests one instance is given: ``kv_slots`` under ``consolidate``
         # (latest, quotas, instances' epoch) as the last re-partition left them: the same again decides nothing
-        self._unchanged: tuple[int, dict[int, int], int] | None = None
+        self._unchanged: tuple[int, dict[int, int], int, int] | None = None
         self.unchanged_repartitions = 0
         self._heaps = SlotHeaps()
 
@@ -107,10 +114,12 @@ class DoraScheduler(Generic[P]):
             self._last_repartition = now
             self.repartition()
 
-    def on_completed(self, trajectory_id: str) -> None:
+    def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
         t = self.state.trajs.get(trajectory_id)
         if t is not None:
             t.done = True
+            if response_tokens is not None:
+                self.lengths.add(prompt_tokens, response_tokens)
 
     def on_scored(self, trajectory_id: str) -> None:
         self.planner.complete(trajectory_id)
@@ -237,20 +246,27 @@ class DoraScheduler(Generic[P]):
         latest = self.state.latest
         if latest < 0:
             return []
-        pending: dict[int, float] = {v: float(self.in_flight(v)) for v in self.live_versions()}
-        headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
-        pending[latest] = pending.get(latest, 0.0) + headroom
         counts = self.state.counts
-        quota = quotas(pending, len(self.state.instance_version) - len(counts.members.get(LOST, ())))
+        n_live = len(self.state.instance_version) - len(counts.members.get(LOST, ()))
+        members: Mapping[int, Sequence[int]] = counts.members
+        if self.consolidate:
+            quota, members = self._consolidated(n_live)
+        else:
+            pending: dict[int, float] = {v: float(self.in_flight(v)) for v in self.live_versions()}
+            headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
+            pending[latest] = pending.get(latest, 0.0) + headroom
+            quota = quotas(pending, n_live)
         if not quota:
             return []
-        same = (latest, quota, counts.epoch)
+        same = (latest, quota, counts.epoch, self.slots)
         emptied, draining = counts.emptied, self.state.draining
         if same == self._unchanged and not (draining and (emptied is None or any(i in draining for i in emptied))):
             self.unchanged_repartitions += 1
-            return []  # what it would decide is what holds now: nothing moves, the same instances drain
+            # what it would decide is what holds now: nothing moves, the same instances drain
+            levelling = self.consolidate and self.level and not self._newest_can_take()
+            return self._levelled() if levelling else []
         current = self.state.instance_version
-        moves = assign(counts.members, quota, latest, LOST)  # the free instances only: O(versions + moved)
+        moves = assign(members, quota, latest, LOST)  # the free instances only: O(versions + moved)
         if self.drain:  # moved instances still decoding keep their version until empty (nothing cancelled)
             self.state.draining = drain_moves(current, moves, counts.load)
             counts.emptied = set()  # every draining instance decodes now
@@ -270,16 +286,61 @@ class DoraScheduler(Generic[P]):
         for i, version in moves.items():
             if version != current[i]:
                 current[i] = version
-        self._unchanged = (latest, quota, counts.epoch)
+        self._unchanged = (latest, quota, counts.epoch, self.slots)
         self.cancels.extend(cancels)
+        if self.consolidate and self.level and not self._newest_can_take():
+            cancels += self._levelled()
         return cancels
+
+    def _newest_can_take(self) -> bool:
+        """Whether the newest version could be given a group now (prompts left, rules 1-3 allow it)."""
+        return bool(self._prompts) and self.feasible(self.state.latest, self.G)
+
+    def _levelled(self) -> list[Cancel]:
+        """``consolidate`` while the newest version can take nothing: each version's in-flight work moved
+        (with its KV) off its fullest instances to its emptiest (:func:`~.kv_room.excess`)."""
+        counts, trajs, out = self.state.counts, self.state.trajs, []
+        for v, holders in counts.members.items():
+            if v < 0 or len(holders) < 2:
+                continue
+            for i, n in excess({i: counts.load.get(i, 0) for i in holders}).items():
+                placed = [t for t in counts.placed.get(i, ()) if not trajs[t].done and trajs[t].version == v]
+                moving = tuple(sorted(placed, key=counts.pos.__getitem__)[-n:])
+                for tid in moving:
+                    self.state.migrating[tid] = i
+                    trajs[tid].instance = -1
+                if moving:
+                    out.append(Cancel(i, moving))
+        self.cancels.extend(out)
+        return out
+
+    def _consolidated(self, n_live: int) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
+        """``consolidate``: the slots per instance from KV room, each version's quota by what its in-flight
+        work needs, and its holders in the order :func:`assign` keeps them (least loaded freed first);
+        see :mod:`.kv_room`."""
+        slots = kv_slots(self.kv_tokens, self.lengths, self.capacity)
+        if slots != self.slots:
+            self.slots = slots
+            self._heaps.reset()
+        counts, latest = self.state.counts, self.state.latest
+        if self.level and not self._newest_can_take():  # spread: stragglers decode faster on emptier instances
+            return quotas({v: float(n) for v, n in counts.in_flight.items() if v >= 0}, n_live), dict(counts.members)
+        in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
+        held = {v: len(h) for v, h in counts.members.items() if v >= 0}
+        due = latest - self.bound.max_staleness if self.unpack_due else -1  # trained at the next step
+        quota = consolidated_quotas(in_flight, held, latest, n_live, slots, due=due)
+        members: dict[int, Sequence[int]] = dict(counts.members)
+        for v, holders in counts.members.items():
+            if v >= 0 and quota.get(v, 0) < len(holders):
+                members[v] = keep_order(holders, counts.load)
+        return quota, members
 
     def pressure(self) -> bool:
         """Load pressure: a version has more in-flight work than its instances' slots while an
         instance of another version sits idle. ``O(versions)`` from the state's counts."""
         c = self.state.counts
         idle_live = sum(n for v, n in c.idle.items() if v != LOST)
-        return any(c.in_flight.get(v, 0) > self.capacity * len(holders) and idle_live - (c.idle.get(v, 0) if v != LOST
+        return any(c.in_flight.get(v, 0) > self.slots * len(holders) and idle_live - (c.idle.get(v, 0) if v != LOST
                                                                                      else 0) > 0
                    for v, holders in c.members.items())
 
@@ -338,7 +399,7 @@ class DoraScheduler(Generic[P]):
         """The instances of ``version`` that take work (draining ones do not), as a heap: the one with the
         most free slots first, else the least loaded (ties: lowest index); kept across calls
         (:class:`~dora_rl.streams.slot_heaps.SlotHeaps`)."""
-        return self._heaps.get(self.state, version, self.capacity)
+        return self._heaps.get(self.state, version, self.slots)
 
     def resume_version(self, trajectory_id: str) -> int:
         """Version a migrating trajectory resumes under: its own (C1)."""
@@ -363,7 +424,7 @@ class DoraScheduler(Generic[P]):
                 if version not in heaps:
                     heaps[version] = self._slots(version)
                 top = heaps[version].top()
-                if top is None or top[0] >= self.capacity:  # no free slot on an instance of its version
+                if top is None or top[0] >= self.slots:  # no free slot on an instance of its version
                     break
                 self._resume.pop(key)
                 target, old = top[1], t.instance
@@ -387,9 +448,12 @@ class DoraScheduler(Generic[P]):
             slots: VersionSlots | None = None
             while self._prompts and self.feasible(version, self.G):
                 slots = slots or self._slots(version)
-                due = self.drain and self.bound.deadline(version) <= st.latest  # trained at the next step
+                due = ((self.drain or self.consolidate)  # trained at the next step
+                       and self.bound.deadline(version) <= st.latest)
                 if version < st.latest and (slots.free < self.G or due):
                     break  # older versions only back-fill idle slots (under drain: not when due next step)
+                if self.consolidate and slots.free < self.G:
+                    break  # KV-aware admission: a group only into room; the rest waits untagged (kv_room)
                 if self.drain and version == st.latest:  # the newest queues at most G beyond a full instance
                     top = slots.top()
                     if top is None or top[0] > self.capacity:

@@ -99,7 +99,7 @@ class Orchestrator:
         elif rec.topic == topics.VERSIONS:
             self.rules.on_version(int(r.version), ctx.now())
         elif rec.topic == topics.TRAJECTORIES:
-            self.rules.on_completed(r.trajectory_id)
+            self.rules.on_completed(r.trajectory_id, len(r.prompt_ids), len(r.response_ids))
         elif rec.topic == topics.SCORED:
             self.rules.on_scored(r.trajectory_id)
         elif rec.topic == topics.DLQ:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .dora_policy import DoraScheduler
 from .dora_state import ResumeQueue, TrajState
+from .kv_room import LengthMoments
 from .planning import Planner
 from .scheduling import Cancel, Migration, Scheduler, SchedulingRules
 
@@ -58,6 +59,8 @@ def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:
             "cancels": [[c.instance, list(c.trajectory_ids), list(c.versions)] for c in s.cancels],
             "repartitions": s.repartitions, "switches": s.switches, "last_repartition": s._last_repartition,
             "refused_groups": s.refused_groups,
+            "lengths": [s.lengths.count, s.lengths.prompt_sum, s.lengths.response_sum, s.lengths.response_sq_sum],
+            "slots": s.slots,
         }
     if isinstance(s, Scheduler):
         w = s.state
@@ -90,6 +93,10 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         s.repartitions, s.switches = int(d["repartitions"]), int(d["switches"])
         s.refused_groups = int(d.get("refused_groups", 0))
         s._last_repartition = float(d["last_repartition"])
+        n, ps, rs, rss = d.get("lengths", [0, 0.0, 0.0, 0.0])
+        s.lengths = LengthMoments(int(n), float(ps), float(rs), float(rss))
+        s.slots = int(d.get("slots", s.capacity))
+        s._heaps.reset()
         return
     if isinstance(s, Scheduler):
         if d["kind"] != "waves":

@@ -87,8 +87,9 @@ class SchedulingRules(Protocol[P]):
         """Version ``version`` was announced at time ``now``."""
         ...
 
-    def on_completed(self, trajectory_id: str) -> None:
-        """A trajectory finished decoding (its instance is free of it)."""
+    def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
+        """A trajectory finished decoding (its instance is free of it), with its token counts when known
+        (what the trajectories topic carries; they inform KV-aware admission, :mod:`.kv_room`)."""
         ...
 
     def on_scored(self, trajectory_id: str) -> None:
@@ -193,7 +194,7 @@ class Scheduler(Generic[P]):
         """A policy version was announced."""
         self.state.latest_version = max(self.state.latest_version, version)
 
-    def on_completed(self, trajectory_id: str) -> None:
+    def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
         """A trajectory finished decoding (its instance is free of it)."""
         self.state.in_flight.pop(trajectory_id, None)
 

@@ -62,6 +62,7 @@ class _Traj:
     done_tokens: int = 0
     mark: int = 0  # the instance's step count when done_tokens was last brought up to date
     versions: set[int] = field(default_factory=set)
+    kv_held: bool = False  # cancelled with its KV kept, to move to an instance of the same version
 
     @property
     def context(self) -> int:
@@ -83,6 +84,7 @@ class LostTime:
     intra_bubble_s: float = 0.0
     prefill_s: float = 0.0
     reprefill_s: float = 0.0
+    kv_move_s: float = 0.0
     switch_s: float = 0.0
     idle_s: float = 0.0
     preemptions: int = 0
@@ -271,14 +273,17 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
                     queued.update((q.tid, q) for q in waiting if q.tid in wanted)
                     inst.queue[v] = deque(q for q in waiting if q.tid not in wanted)
             for tid in cancel.trajectory_ids:
-                found = inst.remove(tid) or queued.get(tid)
+                active = inst.remove(tid)
+                found = active or queued.get(tid)
                 if found is not None:
+                    found.kv_held = active is not None and p.kv_move_s_per_token > 0
                     sched.on_aborted(tid, found, cancel.instance)
                     migrations += 1
             drain(inst, now)
             schedule(inst)
         for mig, target in sched.resumes():
             tr = mig.partial
+            tr.kv_held = tr.kv_held and tr.version == mig.version  # KV of other weights is recomputed
             tr.version = mig.version
             admit(insts[target], tr, now)
         for step, tids in sched.plans():
@@ -287,13 +292,21 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     def admit(inst: _Instance, tr: _Traj, now: float) -> None:
         """A request reaches an instance: it queues, and the instance rule decides what starts."""
         inst.advance(now)
-        inst.queue.setdefault(tr.version, deque()).append(tr)
+        waiting = inst.queue.setdefault(tr.version, deque())
+        if tr.kv_held:
+            waiting.appendleft(tr)  # its KV moves in: it resumes first
+        else:
+            waiting.append(tr)
         drain(inst, now)
 
     def start(inst: _Instance, tr: _Traj, now: float) -> None:
         tr.versions.add(inst.version)
         pre = prefill_time(tr.context, inst.params)  # its own speed (``for_instance``)
-        if tr.done_tokens:
+        if tr.kv_held:
+            pre = tr.context * inst.params.kv_move_s_per_token
+            inst.lost.kv_move_s += pre
+            tr.kv_held = False
+        elif tr.done_tokens:
             inst.lost.reprefill_s += pre
         else:
             inst.lost.prefill_s += pre
@@ -306,6 +319,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         while kv_steps_left(inst.ctx, len(inst.active), p) == 0:
             tr = inst.remove(next(reversed(inst.active)))
             assert tr is not None
+            tr.kv_held = False  # preempted: its KV is freed, recomputed when it starts again
             inst.queue.setdefault(tr.version, deque()).appendleft(tr)
             inst.lost.preemptions += 1
 
@@ -368,7 +382,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             for tid in inst.finished():
                 tr = inst.remove(tid)
                 assert tr is not None
-                sched.on_completed(tid)
+                sched.on_completed(tid, tr.prompt, tr.length)  # what the trajectories topic carries
                 sched.on_scored(tid)  # no scorer here: a reward is instant
                 asm.add(_Done(tid, tr.group_id, min(tr.versions)))
             fit_kv(inst)
@@ -384,8 +398,9 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     parts = [i.lost for i in insts]
     lost = LostTime(decode_s=sum(x.decode_s for x in parts), intra_bubble_s=sum(x.intra_bubble_s for x in parts),
                     prefill_s=sum(x.prefill_s for x in parts), reprefill_s=sum(x.reprefill_s for x in parts),
+                    kv_move_s=sum(x.kv_move_s for x in parts),
                     switch_s=sum(x.switch_s for x in parts), preemptions=sum(x.preemptions for x in parts))
-    used = lost.decode_s + lost.prefill_s + lost.reprefill_s + lost.switch_s
+    used = lost.decode_s + lost.prefill_s + lost.reprefill_s + lost.kv_move_s + lost.switch_s
     lost.idle_s = max(0.0, wall * len(insts) - used)
     return SimResult(steps=len(step_end), wall_s=wall, trained_tokens=trained,
                      step_end_s=step_end, staleness=staleness, batch_sizes=sizes, refused=refused,

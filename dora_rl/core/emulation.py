@@ -100,6 +100,9 @@ class EmulatedParams:
     """Quadratic prefill term (causal attention): ``prefill_s_per_token_sq * T**2 / 2`` for ``T`` tokens."""
     kv_capacity_tokens: int = 0
     """Per-instance KV cache capacity in tokens of context (0 = unbounded)."""
+    kv_move_s_per_token: float = 0.0
+    """Seconds per context token to move a cancelled request's KV cache to another instance of the same
+    version (bytes over the network); 0: the KV is not moved and the request is prefilled again there."""
     kv_watermark: float = 0.01
     """Share of the KV capacity a new request must leave free when admitted (vLLM's block-manager
     ``watermark`` default, 0.01): without it, admission fills the cache to one step of headroom and every
@@ -130,7 +133,9 @@ class EmulatedParams:
             "0 <= cap_fraction < 1": 0 <= self.cap_fraction < 1,
             "0 <= group_correlation <= 1": 0 <= self.group_correlation <= 1,
             "time_scale >= 0": self.time_scale >= 0, "load_s >= 0": self.load_s >= 0,
-            "kv_s_per_token >= 0": self.kv_s_per_token >= 0, "kv_capacity_tokens >= 0": self.kv_capacity_tokens >= 0,
+            "kv_s_per_token >= 0": self.kv_s_per_token >= 0,
+            "kv_move_s_per_token >= 0": self.kv_move_s_per_token >= 0,
+            "kv_capacity_tokens >= 0": self.kv_capacity_tokens >= 0,
             "prefill_s_per_token_sq >= 0": self.prefill_s_per_token_sq >= 0,
             "0 <= kv_watermark < 1": 0 <= self.kv_watermark < 1,
             "instance_speed_sigma >= 0": self.instance_speed_sigma >= 0,

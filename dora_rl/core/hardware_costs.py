@@ -18,6 +18,8 @@ parameter, ``TP`` GPUs per rollout instance, ``BW`` HBM bandwidth, ``F`` dense b
   backward) + 2 (the old policy's log-probs recomputed) = 8 flops per parameter and token;
 * a version switch: the weights pulled over the instance's network, ``P * B / (TP * net_bw)``, plus
   loading them; colocated (sync, same GPUs) it is a reshard over NVLink;
+* a KV move (a request handed to another instance of its version, ``consolidate``): its context's KV
+  bytes over the network, ``kv_bytes_per_token / (TP * net_bw)`` per token (``kv_move_s_per_token``);
 * the per-step overhead at another TP than the frozen one's 4 (:func:`step_overhead_s`): the frozen
   ``step_overhead_s`` (TP 4) plus the change in the TP all-reduces, 2 per layer of ``seqs * hidden * B``
   bytes, each as a ring: ``2 (TP - 1)`` hops of ``hop_latency_s`` and ``2 (TP - 1) / TP`` of the message
@@ -150,7 +152,8 @@ def rollout_params(acc: Accelerator, model: Model, eff: Efficiencies, tp: int, m
         base_step_s=w, capacity=max_num_seqs, alpha=compute / w, kv_s_per_token=model.kv_bytes_per_token / bw,
         prefill_s_per_token=2.0 * model.active_params / flops_prefill,
         prefill_s_per_token_sq=4.0 * model.layers * model.hidden / flops_prefill,
-        kv_capacity_tokens=kv_tokens, load_s=switch_seconds(acc, model, tp), time_scale=0.0, seed=seed,
+        kv_capacity_tokens=kv_tokens, kv_move_s_per_token=model.kv_bytes_per_token / (tp * acc.net_bw),
+        load_s=switch_seconds(acc, model, tp), time_scale=0.0, seed=seed,
         **lengths)  # type: ignore[arg-type]
 
 

@@ -49,7 +49,7 @@ def test_invariants_hold_under_the_drain_policy(s: int, rbs: int, seed: int) -> 
     assert r.migrations == 0  # nothing is cancelled by a re-partition: instances drain
 
 
-@pytest.mark.parametrize("policy", ["drain", "migrate"])
+@pytest.mark.parametrize("policy", ["drain", "migrate", "consolidate"])
 def test_what_the_rules_keep_between_calls_changes_no_decision(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-partition memo (same newest version, quotas and instances as the last one left them: it
     decides nothing) and the per-version heaps kept across calls change no decision: a run with them

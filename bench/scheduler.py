@@ -1,0 +1,150 @@
+"""Issue 29's scheduler measurement at 64 GPUs, TP 4 (simulated paper setup): DORA's re-partition policies
+against partial rollout held to the same bound, chosen on seeds 0-2, reported on seeds 3-5, with an
+ablation of each ``consolidate`` rule.
+
+Sweeps of equal size (24 settings each, every one on seeds 0-2; the best mean is chosen):
+
+* DORA, S = 2: policy ``drain`` / ``consolidate`` x split 32 / 40 / 48 rollout GPUs x RBS 2 / 3 x TBS x
+  ``max_num_seqs`` 128 / 256;
+* partial held to S = 2 (``partial``, decision 0047): split x RBS 1.5 / 2 / 3 / 4 x TBS x ``max_num_seqs``.
+
+The unbounded partial runs at the committed headline's choice, reported with its staleness. Then the chosen
+settings run on seeds 3-5, and DORA's ``consolidate`` choice with each rule off in turn: KV moves (the
+engine re-prefills), KV-aware slots (``instance_kv_tokens = 0``), levelling, never packing a due version.
+The DORA / partial ratio's interval is a paired bootstrap over the reported seeds (ratio of means,
+seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost parameters as frozen in
+``dora_rl/core/hardware_costs.py`` plus the KV move's cost (bytes over the network).
+
+Usage::
+
+    python bench/scheduler.py      # ~12 min on 2 cores -> bench/results/scheduler-<time>.json + .png
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from paper import Efficiencies, Setting, Workload, bound, run_many
+from provenance import provenance, write_result
+
+HEADLINE = Path(__file__).resolve().parent / "results" / "paper-sim-20261125-012446.json"
+GPUS, S, MFU = 64, 2, 0.40
+CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
+SPLITS = (GPUS // 2, 5 * GPUS // 8, 3 * GPUS // 4)
+ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due")
+
+
+def sweeps() -> dict[str, list[Setting]]:
+    dora = [Setting("dora", S, f, r, GPUS - r, max_num_seqs=n, repartition=pol)
+            for pol in ("drain", "consolidate") for r in SPLITS for f in (2.0, 3.0) for n in (128, 256)]
+    partial = [Setting("partial_bounded", S, f, r, GPUS - r, max_num_seqs=n)
+               for r in SPLITS for f in (1.5, 2.0, 3.0, 4.0) for n in (128, 256)]
+    return {"dora": dora, "partial": partial}
+
+
+def unbounded_choice() -> Setting:
+    return Setting(**json.loads(HEADLINE.read_text())["results"][str(GPUS)]["chosen"]["partial"])
+
+
+def paired_ratio_interval(a: list[float], b: list[float], resamples: int = 10_000) -> tuple[float, float]:
+    """95% interval of ``mean(a) / mean(b)`` over seeds resampled in pairs."""
+    rng, n, ratios = random.Random(0), len(a), []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(a[i] for i in idx) / sum(b[i] for i in idx))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def summary(runs: list[dict[str, Any]], setting: Setting) -> dict[str, Any]:
+    return {"setting": setting.name, "throughput": [r["throughput"] for r in runs],
+            "throughput_mean": statistics.fmean(r["throughput"] for r in runs),
+            "max_staleness": max(r["max_staleness"] for r in runs), "c1_breaks": sum(r["c1_breaks"] for r in runs),
+            "gpu_time_share": {k: statistics.fmean(r["gpu_time_share"][k] for r in runs)
+                               for k in runs[0]["gpu_time_share"]}}
+
+
+def main() -> int:
+    t0 = time.time()
+    w, eff = Workload(), replace(Efficiencies(), train_mfu=MFU)
+    grids = sweeps()
+    out: dict[str, Any] = {**provenance(), "engine": "simulated (hardware_costs: H800, Qwen2.5-32B)", "gpus": GPUS,
+                           "tp": 4, "staleness": S, "train_mfu": MFU, "choose_seeds": CHOOSE, "report_seeds": REPORT,
+                           "sweep": {}, "modes": {}, "ablation": {}}
+    chosen: dict[str, Setting] = {}
+    for label, grid in grids.items():
+        runs = run_many([(st, w, eff, s) for st in grid for s in CHOOSE], workers=2)
+        means = {st.name: statistics.fmean(r["throughput"] for r in runs[i * len(CHOOSE):(i + 1) * len(CHOOSE)])
+                 for i, st in enumerate(grid)}
+        out["sweep"][label] = means
+        chosen[label] = max(grid, key=lambda st: means[st.name])
+        print(f"{label}: chose {chosen[label].name} ({means[chosen[label].name]:.0f} tok/s on seeds 0-2)", flush=True)
+    chosen["partial_unbounded"] = unbounded_choice()
+    best_consolidate = max((st for st in grids["dora"] if st.repartition == "consolidate"),
+                           key=lambda st: out["sweep"]["dora"][st.name])
+    chosen["dora_consolidate"] = best_consolidate
+    jobs = [(st, w, eff, s) for st in chosen.values() for s in REPORT]
+    runs = run_many(jobs, workers=2)
+    for k, (label, st) in enumerate(chosen.items()):
+        out["modes"][label] = summary(runs[k * len(REPORT):(k + 1) * len(REPORT)], st)
+    out["ablation"] = ablation(best_consolidate, w, eff)
+    thr = {k: v["throughput"] for k, v in out["modes"].items()}
+    mean = {k: statistics.fmean(v) for k, v in thr.items()}
+    out["bound"] = bound(GPUS, w, eff)
+    out["ratios"] = {"dora_vs_partial": mean["dora"] / mean["partial"],
+                     "dora_vs_partial_interval": paired_ratio_interval(thr["dora"], thr["partial"]),
+                     "dora_vs_partial_unbounded": mean["dora"] / mean["partial_unbounded"],
+                     "dora_fraction_of_bound": mean["dora"] / out["bound"]["tokens_per_s"],
+                     "consolidate_vs_partial": mean["dora_consolidate"] / mean["partial"],
+                     "consolidate_vs_partial_interval": paired_ratio_interval(thr["dora_consolidate"],
+                                                                              thr["partial"])}
+    out["sim_seconds"] = round(time.time() - t0, 1)
+    path = write_result("scheduler", out)
+    plot(out, path.with_suffix(".png"))
+    print(json.dumps({"modes": {k: (v["setting"], round(v["throughput_mean"])) for k, v in out["modes"].items()},
+                      "ablation": {k: round(v["throughput_mean"]) for k, v in out["ablation"].items()},
+                      "ratios": out["ratios"], "file": str(path)}, indent=1))
+    return 0
+
+
+def ablation(st: Setting, w: Workload, eff: Efficiencies) -> dict[str, Any]:
+    """``st`` (a ``consolidate`` setting) on the reported seeds with each rule off in turn."""
+    out: dict[str, Any] = {}
+    for which in ABLATIONS:
+        jobs = [(replace(st, ablate=which), w, eff, s) for s in REPORT]
+        runs = run_many(jobs, workers=2)
+        out[which] = summary(runs, jobs[0][0])
+    return out
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {**out["modes"], **{f"consolidate, {k}": v for k, v in out["ablation"].items()}}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, (k, v) in enumerate(rows.items()):
+        ax.bar(i, v["throughput_mean"], color="tab:blue" if k.startswith(("dora", "consolidate")) else "tab:gray")
+        ax.scatter([i] * len(v["throughput"]), v["throughput"], color="black", s=10, zorder=3)
+    ax.axhline(out["bound"]["tokens_per_s"], color="tab:red", ls="--", lw=1, label="bubble-free bound")
+    ax.set_xticks(range(len(rows)), [f"{k}\n{v['setting']}" for k, v in rows.items()], fontsize=5, rotation=20)
+    ax.set(ylabel="trained tokens / s", title=f"64 H800, TP 4, S = {out['staleness']}, seeds 3-5 (chosen on 0-2); "
+                                              f"commit {str(out.get('commit', ''))[:7]}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

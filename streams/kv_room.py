@@ -1,0 +1,107 @@
+"""KV-aware admission and consolidation (the ``consolidate`` re-partition policy) as pure rules.
+
+**Slots from KV room.** The orchestrator never sees a running request's final length; it sees the token
+counts of completed trajectories (prompt ``P`` and response ``L``, on the trajectories topic). A request's
+context grows linearly from ``P`` to ``P + L`` while it decodes, so the context one busy slot holds,
+averaged over time, is::
+
+    E[ctx] = E[P] + E[L^2] / (2 E[L])
+
+and an instance with ``kv_tokens`` of KV cache holds ``slots = clamp(floor(kv_tokens / E[ctx]), 1,
+max_num_seqs)`` requests at once (:func:`kv_slots`). Until ``MIN_SAMPLES`` completions are seen (or with
+``kv_tokens = 0``: unknown) it is ``max_num_seqs``, the engine's own limit. Requests beyond an
+instance's slots stay in the orchestrator's queue, untagged: the version they get is the one that
+takes them when room opens (C1 holds: they have no tokens yet).
+
+**Pack or spread.** Whether to pack depends on whether the newest version can use the room packing
+frees. While it can (it has prompts it may dispatch), old versions are packed as below. While it
+cannot (the run's budget, RBS or the EDF condition holds it back), packing would only slow the old
+versions' stragglers — the work the next batch waits for — so instances are spread over every version
+in proportion to its in-flight work (:func:`~dora_rl.streams.repartition.quotas`) and each version's
+work is levelled over its instances (:func:`excess`): a straggler decodes faster on an emptier instance,
+and a KV move costs milliseconds.
+
+**Consolidation** (:func:`consolidated_quotas`). An old version (``v < latest``) keeps as many instances
+as its in-flight trajectories need slots, ``ceil(in_flight / slots)``, never more than it holds (at
+least one while it has work but holds none: its instances were lost); it gives one up only when the
+rest would stay below ``1 - hysteresis`` full. Oldest versions are served first (their work is due
+first); the newest version gets every other instance — there is no one-instance floor for anyone. The
+instances a version gives up are its least loaded (:func:`keep_order`), and their trajectories move,
+with their KV, to the version's other instances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+MIN_SAMPLES = 32
+"""Completions seen before the length moments are trusted."""
+
+HYSTERESIS = 0.1
+"""An old version frees an instance only when its remaining ones would be at most this much below full."""
+
+
+@dataclass
+class LengthMoments:
+    """Running moments of completed trajectories' prompt and response token counts."""
+
+    count: int = 0
+    prompt_sum: float = 0.0
+    response_sum: float = 0.0
+    response_sq_sum: float = 0.0
+
+    def add(self, prompt_tokens: int, response_tokens: int) -> None:
+        self.count += 1
+        self.prompt_sum += prompt_tokens
+        self.response_sum += response_tokens
+        self.response_sq_sum += float(response_tokens) ** 2
+
+    def busy_context(self) -> float | None:
+        """``E[P] + E[L^2] / (2 E[L])`` (module docstring), or None before ``MIN_SAMPLES`` completions."""
+        if self.count < MIN_SAMPLES or self.response_sum <= 0:
+            return None
+        return self.prompt_sum / self.count + self.response_sq_sum / (2.0 * self.response_sum)
+
+
+def kv_slots(kv_tokens: int, moments: LengthMoments, max_num_seqs: int) -> int:
+    """Requests one instance holds at once (module docstring); ``max_num_seqs`` while unknown."""
+    ctx = moments.busy_context()
+    if kv_tokens <= 0 or ctx is None:
+        return max_num_seqs
+    return max(1, min(max_num_seqs, int(kv_tokens / ctx)))
+
+
+def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], latest: int, n: int,
+                        slots: int, hysteresis: float = HYSTERESIS, due: int = -1) -> dict[int, int]:
+    """Instances per version: every old version with in-flight work as many as it needs (module
+    docstring), oldest first while instances last; ``latest`` the rest. ``sum == n``."""
+    quota: dict[int, int] = {}
+    left = n
+    for v in sorted(x for x in in_flight if x < latest and in_flight[x] > 0):
+        has = held.get(v, 0)
+        need = math.ceil(in_flight[v] / slots)
+        slack = math.ceil(in_flight[v] / (slots * (1.0 - hysteresis)))  # keep while the rest would overfill
+        keep = has if v <= due else max(need, min(has, slack))  # due next step: never packed
+        quota[v] = min(left, max(1, min(keep, has)))
+        left -= quota[v]
+    quota[latest] = quota.get(latest, 0) + left
+    return quota
+
+
+def keep_order(holders: Sequence[int], load: Mapping[int, int]) -> list[int]:
+    """``holders`` ordered as :func:`~dora_rl.streams.repartition.assign` keeps them (the first ``quota``):
+    most loaded first, ties to the lowest index, so the least loaded are freed."""
+    return sorted(holders, key=lambda i: (-load.get(i, 0), i))
+
+
+def excess(loads: Mapping[int, int], slack: float = 0.5, floor: int = 4) -> dict[int, int]:
+    """Trajectories to move off each of one version's instances (``loads``: instance -> load) to level
+    them: those above ``ceil(total / instances) * (1 + slack) + floor``, down to the level. Empty when
+    every instance is within that band (moves are not worth their churn)."""
+    if not loads:
+        return {}
+    level = math.ceil(sum(loads.values()) / len(loads))
+    high = level * (1.0 + slack) + floor
+    return {i: n - level for i, n in loads.items() if n > high}

@@ -1,0 +1,128 @@
+"""KV-aware admission and consolidation (``streams/kv_room.py``) as pure rules, and the scheduler's use of them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dora_rl.config import DoraConfig
+from dora_rl.core.emulation import EmulatedParams
+from dora_rl.streams.dora_policy import DoraScheduler
+from dora_rl.streams.kv_room import (
+    MIN_SAMPLES,
+    LengthMoments,
+    consolidated_quotas,
+    excess,
+    keep_order,
+    kv_slots,
+)
+from dora_rl.streams.simulator import simulate
+
+
+def test_busy_context_is_the_time_average_of_a_linearly_growing_context() -> None:
+    m = LengthMoments()
+    for n in range(MIN_SAMPLES):
+        m.add(100, 1000 if n % 2 else 3000)
+    # E[P] + E[L^2] / (2 E[L]) = 100 + (1e6 + 9e6) / 2 / (2 * 2000)
+    assert m.busy_context() == pytest.approx(100 + 5e6 / 4000)
+
+
+def test_slots_are_the_engine_limit_until_enough_completions_are_seen() -> None:
+    m = LengthMoments()
+    for _ in range(MIN_SAMPLES - 1):
+        m.add(0, 1000)
+    assert m.busy_context() is None and kv_slots(100_000, m, 256) == 256
+    m.add(0, 1000)
+    assert kv_slots(100_000, m, 256) == 200  # 100k / 500
+    assert kv_slots(0, m, 256) == 256  # KV size unknown
+    assert kv_slots(100, m, 256) == 1  # never 0
+
+
+def test_old_versions_keep_what_their_work_needs_and_the_newest_the_rest() -> None:
+    q = consolidated_quotas({3: 250, 4: 90}, {3: 6, 4: 3, 5: 1}, latest=5, n=10, slots=100)
+    assert q == {3: 3, 4: 1, 5: 6} and sum(q.values()) == 10
+    # no floor: an old version with nothing in flight keeps nothing
+    assert consolidated_quotas({3: 0}, {3: 4, 5: 6}, latest=5, n=10, slots=100) == {5: 10}
+    # an old version never grows past what it holds, but keeps one if it holds none (its instances were lost)
+    assert consolidated_quotas({3: 900}, {3: 2, 5: 8}, latest=5, n=10, slots=100)[3] == 2
+    assert consolidated_quotas({3: 900}, {5: 10}, latest=5, n=10, slots=100)[3] == 1
+
+
+def test_hysteresis_frees_an_instance_only_when_the_rest_would_stay_below_full() -> None:
+    held = {3: 3, 5: 7}
+    assert consolidated_quotas({3: 195}, held, 5, 10, 100, hysteresis=0.1)[3] == 3  # 2 x 90 < 195
+    assert consolidated_quotas({3: 180}, held, 5, 10, 100, hysteresis=0.1)[3] == 2
+    assert consolidated_quotas({3: 195}, held, 5, 10, 100, hysteresis=0.0)[3] == 2
+
+
+def test_a_version_due_next_step_is_never_packed() -> None:
+    assert consolidated_quotas({3: 10, 4: 10}, {3: 4, 4: 4, 5: 2}, 5, 10, 100, due=3) == {3: 4, 4: 1, 5: 5}
+
+
+def test_the_least_loaded_are_freed_and_levelling_moves_only_a_clear_excess() -> None:
+    assert keep_order([1, 2, 3, 4], {1: 5, 2: 50, 3: 5, 4: 20}) == [2, 4, 1, 3]
+    assert excess({1: 100, 2: 0, 3: 2, 4: 2}) == {1: 74}  # level 26, high 26 * 1.5 + 4 = 43
+    assert excess({1: 30, 2: 20, 3: 25}) == {}
+    assert excess({}) == {}
+
+
+def test_the_rules_see_completed_token_counts_never_the_engines_lengths() -> None:
+    """Admission may use only what the trajectories topic carries: no scheduling module imports the
+    emulated engine (where the true lengths are drawn), and slots move only with reported completions."""
+    root = Path(__file__).resolve().parents[2] / "streams"
+    for name in ("kv_room.py", "dora_policy.py", "repartition.py", "planning.py", "partial_policy.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any("emulation" in m for m in imported), f"{name} imports the engine's length model"
+    cfg = _cfg(2, 96, instance_kv_tokens=4000)
+    s: DoraScheduler[str] = DoraScheduler(cfg)
+    s.on_version(0, 0.0)
+    s.repartition()
+    assert s.slots == cfg.instance_concurrency  # nothing completed yet: the engine's limit
+    for g in range(MIN_SAMPLES):
+        s.add_prompt(f"g{g}", "p")
+    tids = [d.trajectory_id for d in s.dispatch()]
+    for t in tids[:MIN_SAMPLES]:
+        s.on_completed(t)  # no token counts: nothing learned
+    s.repartition()
+    assert s.slots == cfg.instance_concurrency
+    for t in tids[MIN_SAMPLES:2 * MIN_SAMPLES]:
+        s.on_completed(t, 16, 184)
+    s.repartition()
+    assert s.slots == min(cfg.instance_concurrency, int(4000 / (16 + 184 / 2)))
+
+
+BASE = dict(steps=12, train_batch_size=32, group_size=4, num_instances=4, instance_concurrency=24,
+            max_new_tokens=256, engine="emulated", mode="dora", repartition_policy="consolidate")
+
+
+def _cfg(s: int, rbs: int, **over: object) -> DoraConfig:
+    return DoraConfig.from_dict({**BASE, "max_staleness": s, "rollout_batch_size": rbs, **over})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(("s", "rbs", "over"), [(1, 64, {}), (2, 96, {"instance_kv_tokens": 1500}),
+                                                (2, 96, {"consolidate_level": False}),
+                                                (2, 128, {"consolidate_unpack_due": False, "instance_kv_tokens": 900})])
+def test_invariants_hold_under_consolidation(s: int, rbs: int, over: dict[str, object], seed: int) -> None:
+    params = EmulatedParams(time_scale=0.0, seed=seed, cap_fraction=0.05 + 0.05 * seed, kv_capacity_tokens=3000,
+                            kv_move_s_per_token=1e-6)
+    r = simulate(_cfg(s, rbs, **over), params, train_s_per_token=1e-4 * (1 + seed))
+    assert r.steps == BASE["steps"] and set(r.batch_sizes) == {BASE["train_batch_size"]}  # TBS exact
+    assert r.refused == 0 and max(r.staleness) <= s  # nothing over-stale, nothing dropped (C2, C3)
+    assert r.mixed_version_trajectories == 0  # C1: moved work resumes under its own version
+    assert r.dispatched == BASE["steps"] * BASE["train_batch_size"]
+
+
+def test_consolidation_moves_work_with_its_kv_and_keeps_c1() -> None:
+    moved = kv_s = 0.0
+    for seed in range(3):
+        params = EmulatedParams(time_scale=0.0, seed=seed, cap_fraction=0.1, kv_capacity_tokens=3000,
+                                kv_move_s_per_token=1e-6)
+        r = simulate(_cfg(2, 96, instance_kv_tokens=1500, repartition_s=0.05), params, train_s_per_token=2e-4)
+        assert r.mixed_version_trajectories == 0 and r.refused == 0
+        moved, kv_s = moved + r.migrations, kv_s + r.lost.kv_move_s
+    assert moved > 0 and kv_s > 0, "nothing was moved: the test checks no move"
