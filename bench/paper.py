@@ -109,8 +109,9 @@ class Setting:
     hop_latency_s: float = 0.0
     """All-reduce hop latency; it changes nothing at ``tp == 4`` (``hardware_costs.step_overhead_s``)."""
     ablate: str = ""
-    """One ``consolidate`` rule turned off (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
-    again), ``kv_slots_off`` (no KV-aware slots), ``levelling_off``, ``pack_due``; empty: none."""
+    """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
+    again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``pack_due``,
+    ``kv_admission_on``; empty: none."""
 
     @property
     def name(self) -> str:
@@ -147,7 +148,8 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     if setting.ablate == "kv_moves_off":
         p = replace(p, kv_move_s_per_token=0.0)
     ablation = {"kv_slots_off": {"instance_kv_tokens": 0}, "levelling_off": {"consolidate_level": False},
-                "pack_due": {"consolidate_unpack_due": False}}.get(setting.ablate, {})
+                "pack_due": {"consolidate_unpack_due": False},
+                "kv_admission_on": {"consolidate_kv_admission": True}}.get(setting.ablate, {})
     n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
     from provenance import config_mode

@@ -9,8 +9,9 @@ Sweeps of equal size (24 settings each, every one on seeds 0-2; the best mean is
 * partial held to S = 2 (``partial``, decision 0047): split x RBS 1.5 / 2 / 3 / 4 x TBS x ``max_num_seqs``.
 
 The unbounded partial runs at the committed headline's choice, reported with its staleness. Then the chosen
-settings run on seeds 3-5, and DORA's ``consolidate`` choice with each rule off in turn: KV moves (the
-engine re-prefills), KV-aware slots (``instance_kv_tokens = 0``), levelling, never packing a due version.
+settings run on seeds 3-5, and DORA's ``consolidate`` choice with each rule switched in turn: KV moves off (the
+engine re-prefills), KV-aware packing off (``instance_kv_tokens = 0``: packing counts the engine's slots),
+levelling off, the due version packed, and KV-capped admission on (off by default, decision 0048).
 The DORA / partial ratio's interval is a paired bootstrap over the reported seeds (ratio of means,
 seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost parameters as frozen in
 ``dora_rl/core/hardware_costs.py`` plus the KV move's cost (bytes over the network).
@@ -40,7 +41,7 @@ HEADLINE = Path(__file__).resolve().parent / "results" / "paper-sim-20261125-012
 GPUS, S, MFU = 64, 2, 0.40
 CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
 SPLITS = (GPUS // 2, 5 * GPUS // 8, 3 * GPUS // 4)
-ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due")
+ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due", "kv_admission_on")
 
 
 def sweeps() -> dict[str, list[Setting]]:

@@ -248,6 +248,11 @@ class DoraConfig:
     in flight and level each version's work over its instances (KV moves; ``streams/kv_room.py``). Off:
     old versions stay packed (an ablation switch)."""
 
+    consolidate_kv_admission: bool = False
+    """``consolidate``: give an instance no more requests than its KV room fits (``streams/kv_room.py``);
+    off: up to ``instance_concurrency``, the engine's own KV admission queueing the rest (measured ahead on
+    the paper setup, decision 0048)."""
+
     consolidate_unpack_due: bool = True
     """``consolidate``: a version trained at the next step keeps its instances (its stragglers are not
     packed). Off: it is packed like any old version (an ablation switch)."""

@@ -96,8 +96,9 @@ class DoraScheduler(Generic[P]):
         self.kv_tokens = config.instance_kv_tokens
         self.lengths = LengthMoments()  # completed trajectories' token counts (:mod:`.kv_room`)
         self.unpack_due = config.consolidate_unpack_due
+        self.kv_admission = config.consolidate_kv_admission
         self.level = config.consolidate_level
-        self.slots = self.capacity  # requests one instance is given: ``kv_slots`` under ``consolidate``
+        self.slots = self.capacity  # requests one instance is given (``kv_slots`` with ``kv_admission``)
         # (latest, quotas, instances' epoch) as the last re-partition left them: the same again decides nothing
         self._unchanged: tuple[int, dict[int, int], int, int] | None = None
         self.unchanged_repartitions = 0
@@ -315,10 +316,11 @@ class DoraScheduler(Generic[P]):
         return out
 
     def _consolidated(self, n_live: int) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
-        """``consolidate``: the slots per instance from KV room, each version's quota by what its in-flight
-        work needs, and its holders in the order :func:`assign` keeps them (least loaded freed first);
-        see :mod:`.kv_room`."""
-        slots = kv_slots(self.kv_tokens, self.lengths, self.capacity)
+        """``consolidate``: the slots per instance from KV room (what packing counts; what an instance is
+        given only with ``kv_admission``), each version's quota by what its in-flight work needs, and its
+        holders in the order :func:`assign` keeps them (least loaded freed first); see :mod:`.kv_room`."""
+        need_slots = kv_slots(self.kv_tokens, self.lengths, self.capacity)
+        slots = need_slots if self.kv_admission else self.capacity
         if slots != self.slots:
             self.slots = slots
             self._heaps.reset()
@@ -328,7 +330,7 @@ class DoraScheduler(Generic[P]):
         in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
         held = {v: len(h) for v, h in counts.members.items() if v >= 0}
         due = latest - self.bound.max_staleness if self.unpack_due else -1  # trained at the next step
-        quota = consolidated_quotas(in_flight, held, latest, n_live, slots, due=due)
+        quota = consolidated_quotas(in_flight, held, latest, n_live, need_slots, due=due)
         members: dict[int, Sequence[int]] = dict(counts.members)
         for v, holders in counts.members.items():
             if v >= 0 and quota.get(v, 0) < len(holders):

@@ -9,9 +9,11 @@ averaged over time, is::
 
 and an instance with ``kv_tokens`` of KV cache holds ``slots = clamp(floor(kv_tokens / E[ctx]), 1,
 max_num_seqs)`` requests at once (:func:`kv_slots`). Until ``MIN_SAMPLES`` completions are seen (or with
-``kv_tokens = 0``: unknown) it is ``max_num_seqs``, the engine's own limit. Requests beyond an
-instance's slots stay in the orchestrator's queue, untagged: the version they get is the one that
-takes them when room opens (C1 holds: they have no tokens yet).
+``kv_tokens = 0``: unknown) it is ``max_num_seqs``, the engine's own limit. Packing counts these slots.
+With ``consolidate_kv_admission`` an instance is also *given* no more than its slots (requests beyond
+them stay in the orchestrator's queue, untagged, and get the version that takes them when room opens);
+off by default: on the paper setup it cost 4% against letting the engine's own KV admission queue
+requests locally (decision 0048).
 
 **Pack or spread.** Whether to pack depends on whether the newest version can use the room packing
 frees. While it can (it has prompts it may dispatch), old versions are packed as below. While it

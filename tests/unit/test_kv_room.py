@@ -77,7 +77,7 @@ def test_the_rules_see_completed_token_counts_never_the_engines_lengths() -> Non
         imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not any("emulation" in m for m in imported), f"{name} imports the engine's length model"
-    cfg = _cfg(2, 96, instance_kv_tokens=4000)
+    cfg = _cfg(2, 96, instance_kv_tokens=4000, consolidate_kv_admission=True)
     s: DoraScheduler[str] = DoraScheduler(cfg)
     s.on_version(0, 0.0)
     s.repartition()
@@ -106,7 +106,8 @@ def _cfg(s: int, rbs: int, **over: object) -> DoraConfig:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(("s", "rbs", "over"), [(1, 64, {}), (2, 96, {"instance_kv_tokens": 1500}),
                                                 (2, 96, {"consolidate_level": False}),
-                                                (2, 128, {"consolidate_unpack_due": False, "instance_kv_tokens": 900})])
+                                                (2, 128, {"consolidate_unpack_due": False, "instance_kv_tokens": 900}),
+                                (2, 96, {"consolidate_kv_admission": True, "instance_kv_tokens": 900})])
 def test_invariants_hold_under_consolidation(s: int, rbs: int, over: dict[str, object], seed: int) -> None:
     params = EmulatedParams(time_scale=0.0, seed=seed, cap_fraction=0.05 + 0.05 * seed, kv_capacity_tokens=3000,
                             kv_move_s_per_token=1e-6)
