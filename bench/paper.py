@@ -191,6 +191,7 @@ def figures(r: SimResult, setting: Setting, w: Workload, n_inst: int) -> dict[st
             "rollout_phase_s": statistics.fmean(s - t for s, t in zip(steps, train, strict=True)),
             "train_s": statistics.fmean(train), "max_staleness": max(r.staleness), "refused": r.refused,
             "c1_breaks": r.mixed_version_trajectories, "preemptions": lost.preemptions,
+            "intra_bubble_by_state": {k: v * tp / gpu_s for k, v in lost.intra_by_state.items()},
             "gpu_time_share": {k: v / gpu_s for k, v in parts.items()}, "instances": n_inst}
 
 

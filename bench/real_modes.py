@@ -90,8 +90,9 @@ def setting_name(mode: str, st: dict[str, Any]) -> str:
 
 
 def default_setting(mode: str, staleness: int) -> dict[str, Any]:
-    """``--no-sweep``: sync RBS = TBS; dora S with RBS = (S + 1) x TBS; one instance."""
-    if mode == "dora":
+    """``--no-sweep``: sync RBS = TBS; dora and both partial rollouts (``partial_bounded`` held to S,
+    ``partial`` unbounded) with RBS = (S + 1) x TBS; one instance."""
+    if mode in ("dora", "partial_bounded", "partial"):
         return {"staleness": staleness, "rbs_factor": float(staleness + 1), "num_instances": 1}
     return {"staleness": 0, "rbs_factor": 1.0, "num_instances": 1}
 
@@ -109,8 +110,14 @@ def run_config(mode: str, seed: int, setting: dict[str, Any], steps: int, overri
             "rollout_batch_size": rbs, "num_instances": setting["num_instances"]}
 
 
-def step_times(bootstrap: str, run_id: str) -> tuple[dict[int, float], dict[int, int], int | None]:
-    """``({step: reward}, {step: ts_ms of its update}, ts_ms of version 0)`` from the run's metrics."""
+PER_STEP = ("staleness_max", "mixed_version")
+"""Trainer metrics kept per step besides the reward (the staleness and C1 breaks of each batch)."""
+
+
+def step_times(bootstrap: str, run_id: str,
+               extra: dict[str, dict[int, float]] | None = None) -> tuple[dict[int, float], dict[int, int], int | None]:
+    """``({step: reward}, {step: ts_ms of its update}, ts_ms of version 0)`` from the run's metrics; the
+    ``PER_STEP`` metrics go into ``extra`` (``{name: {step: value}}``) when given."""
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
     from dora_rl.infra.runs import get_run
@@ -127,6 +134,8 @@ def step_times(bootstrap: str, run_id: str) -> tuple[dict[int, float], dict[int,
             continue
         if m.name == "reward_mean" and m.step is not None:
             rewards[int(m.step)], ts[int(m.step)] = m.value, m.ts_ms  # a restarted trainer's repeat: the last
+        elif extra is not None and m.name in PER_STEP and m.step is not None:
+            extra.setdefault(m.name, {})[int(m.step)] = m.value
         elif m.name == "version_published" and m.version == 0 and v0 is None:
             v0 = m.ts_ms
     return rewards, ts, v0
@@ -222,7 +231,8 @@ def one_run(bootstrap: str, mode: str, seed: int, setting: dict[str, Any], n_ste
         print(out_text[-4000:], file=sys.stderr)
         raise RuntimeError(f"dora-rl run ({mode}, seed {seed}) failed with exit code {proc.returncode}")
     summary = json.loads(summary_path.read_text())
-    rewards, ts, v0 = step_times(bootstrap, summary["run_id"])
+    extra: dict[str, dict[int, float]] = {}
+    rewards, ts, v0 = step_times(bootstrap, summary["run_id"], extra)
     steps = sorted(rewards)
     reward_list = [rewards[k] for k in steps]
     from dora_rl.consumers.audit import audit_run
@@ -237,6 +247,7 @@ def one_run(bootstrap: str, mode: str, seed: int, setting: dict[str, Any], n_ste
         "reward_per_step": reward_list, "rolling5": rolling5(reward_list),
         "t_launch_s": [ts[k] / 1000 - t_launch for k in steps],
         "t_rl_s": [(ts[k] - v0) / 1000 if v0 is not None else None for k in steps],
+        **{f"{name}_per_step": [extra.get(name, {}).get(k) for k in steps] for name in PER_STEP},
     }
     if v0 is not None and steps:
         t0, t1 = v0 / 1000, ts[steps[-1]] / 1000
@@ -308,7 +319,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
-    colors = {"sync": "tab:blue", "dora": "tab:red"}
+    colors = {"sync": "tab:blue", "dora": "tab:red", "partial_bounded": "tab:orange", "partial": "tab:gray"}
     for r in result["runs"]:
         pts = [(t, v) for t, v in zip(r["t_launch_s"], r["rolling5"], strict=True) if v is not None]
         if pts:

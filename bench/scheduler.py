@@ -1,4 +1,4 @@
-"""Issue 29's scheduler measurement at 64 GPUs, TP 4 (simulated paper setup): DORA's re-partition policies
+"""Issue 29's scheduler measurement at 64 (or 128) GPUs, TP 4 (simulated paper setup): DORA's re-partition policies
 against partial rollout held to the same bound, chosen on seeds 0-2, reported on seeds 3-5, with an
 ablation of each ``consolidate`` rule.
 
@@ -18,7 +18,7 @@ seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost pa
 
 Usage::
 
-    python bench/scheduler.py      # ~12 min on 2 cores -> bench/results/scheduler-<time>.json + .png
+    python bench/scheduler.py [--gpus 128]   # ~13 min (64) on 2 cores -> bench/results/scheduler-<time>.json + .png
 """
 
 from __future__ import annotations
@@ -38,22 +38,22 @@ from paper import Efficiencies, Setting, Workload, bound, run_many
 from provenance import provenance, write_result
 
 HEADLINE = Path(__file__).resolve().parent / "results" / "paper-sim-20261125-012446.json"
-GPUS, S, MFU = 64, 2, 0.40
+S, MFU = 2, 0.40
 CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
-SPLITS = (GPUS // 2, 5 * GPUS // 8, 3 * GPUS // 4)
 ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due", "kv_admission_on")
 
 
-def sweeps() -> dict[str, list[Setting]]:
-    dora = [Setting("dora", S, f, r, GPUS - r, max_num_seqs=n, repartition=pol)
-            for pol in ("drain", "consolidate") for r in SPLITS for f in (2.0, 3.0) for n in (128, 256)]
-    partial = [Setting("partial_bounded", S, f, r, GPUS - r, max_num_seqs=n)
-               for r in SPLITS for f in (1.5, 2.0, 3.0, 4.0) for n in (128, 256)]
+def sweeps(gpus: int) -> dict[str, list[Setting]]:
+    splits = (gpus // 2, 5 * gpus // 8, 3 * gpus // 4)
+    dora = [Setting("dora", S, f, r, gpus - r, max_num_seqs=n, repartition=pol)
+            for pol in ("drain", "consolidate") for r in splits for f in (2.0, 3.0) for n in (128, 256)]
+    partial = [Setting("partial_bounded", S, f, r, gpus - r, max_num_seqs=n)
+               for r in splits for f in (1.5, 2.0, 3.0, 4.0) for n in (128, 256)]
     return {"dora": dora, "partial": partial}
 
 
-def unbounded_choice() -> Setting:
-    return Setting(**json.loads(HEADLINE.read_text())["results"][str(GPUS)]["chosen"]["partial"])
+def unbounded_choice(gpus: int) -> Setting:
+    return Setting(**json.loads(HEADLINE.read_text())["results"][str(gpus)]["chosen"]["partial"])
 
 
 def paired_ratio_interval(a: list[float], b: list[float], resamples: int = 10_000) -> tuple[float, float]:
@@ -71,14 +71,21 @@ def summary(runs: list[dict[str, Any]], setting: Setting) -> dict[str, Any]:
             "throughput_mean": statistics.fmean(r["throughput"] for r in runs),
             "max_staleness": max(r["max_staleness"] for r in runs), "c1_breaks": sum(r["c1_breaks"] for r in runs),
             "gpu_time_share": {k: statistics.fmean(r["gpu_time_share"][k] for r in runs)
-                               for k in runs[0]["gpu_time_share"]}}
+                               for k in runs[0]["gpu_time_share"]},
+            "intra_bubble_by_state": {k: statistics.fmean(r["intra_bubble_by_state"].get(k, 0.0) for r in runs)
+                                      for k in sorted({k for r in runs for k in r["intra_bubble_by_state"]})}}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="issue 29's scheduler measurement (module docstring)")
+    ap.add_argument("--gpus", type=int, default=64, choices=(64, 128))
+    gpus = ap.parse_args(argv).gpus
     t0 = time.time()
     w, eff = Workload(), replace(Efficiencies(), train_mfu=MFU)
-    grids = sweeps()
-    out: dict[str, Any] = {**provenance(), "engine": "simulated (hardware_costs: H800, Qwen2.5-32B)", "gpus": GPUS,
+    grids = sweeps(gpus)
+    out: dict[str, Any] = {**provenance(), "engine": "simulated (hardware_costs: H800, Qwen2.5-32B)", "gpus": gpus,
                            "tp": 4, "staleness": S, "train_mfu": MFU, "choose_seeds": CHOOSE, "report_seeds": REPORT,
                            "sweep": {}, "modes": {}, "ablation": {}}
     chosen: dict[str, Setting] = {}
@@ -89,7 +96,7 @@ def main() -> int:
         out["sweep"][label] = means
         chosen[label] = max(grid, key=lambda st: means[st.name])
         print(f"{label}: chose {chosen[label].name} ({means[chosen[label].name]:.0f} tok/s on seeds 0-2)", flush=True)
-    chosen["partial_unbounded"] = unbounded_choice()
+    chosen["partial_unbounded"] = unbounded_choice(gpus)
     best_consolidate = max((st for st in grids["dora"] if st.repartition == "consolidate"),
                            key=lambda st: out["sweep"]["dora"][st.name])
     chosen["dora_consolidate"] = best_consolidate
@@ -100,7 +107,7 @@ def main() -> int:
     out["ablation"] = ablation(best_consolidate, w, eff)
     thr = {k: v["throughput"] for k, v in out["modes"].items()}
     mean = {k: statistics.fmean(v) for k, v in thr.items()}
-    out["bound"] = bound(GPUS, w, eff)
+    out["bound"] = bound(gpus, w, eff)
     out["ratios"] = {"dora_vs_partial": mean["dora"] / mean["partial"],
                      "dora_vs_partial_interval": paired_ratio_interval(thr["dora"], thr["partial"]),
                      "dora_vs_partial_unbounded": mean["dora"] / mean["partial_unbounded"],
@@ -140,8 +147,9 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.scatter([i] * len(v["throughput"]), v["throughput"], color="black", s=10, zorder=3)
     ax.axhline(out["bound"]["tokens_per_s"], color="tab:red", ls="--", lw=1, label="bubble-free bound")
     ax.set_xticks(range(len(rows)), [f"{k}\n{v['setting']}" for k, v in rows.items()], fontsize=5, rotation=20)
-    ax.set(ylabel="trained tokens / s", title=f"64 H800, TP 4, S = {out['staleness']}, seeds 3-5 (chosen on 0-2); "
-                                              f"commit {str(out.get('commit', ''))[:7]}")
+    title = (f"{out['gpus']} H800, TP 4, S = {out['staleness']}, seeds 3-5 (chosen on 0-2); "
+             f"commit {str(out.get('commit', ''))[:7]}")
+    ax.set(ylabel="trained tokens / s", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

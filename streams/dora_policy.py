@@ -384,6 +384,15 @@ class DoraScheduler(Generic[P]):
     def version_of(self, trajectory_id: str) -> int:
         return self.state.trajs[trajectory_id].version
 
+    def instance_state(self, instance: int, holds: int) -> str:
+        """See ``SchedulingRules.instance_state``: draining first, then by the version it holds."""
+        st = self.state
+        if instance in st.draining:
+            return "draining"
+        if holds >= st.latest:
+            return "newest"
+        return "due" if self.bound.deadline(holds) <= st.latest else "old"
+
     def take_cancels(self) -> list[Cancel]:
         """Cancels decided since the last call (each returned once)."""
         out, self.cancels = self.cancels, []

@@ -151,6 +151,12 @@ class SchedulingRules(Protocol[P]):
         """The version a dispatched, unconsumed trajectory is generated with (KeyError otherwise)."""
         ...
 
+    def instance_state(self, instance: int, holds: int) -> str:
+        """What instance ``instance``, holding version ``holds``, is doing for the rules: ``"newest"``,
+        ``"old"``, ``"due"`` (its version is trained at the next step) or ``"draining"`` — how the
+        simulator splits the intra-instance bubble."""
+        ...
+
     def describe(self) -> str:
         """One line of state for the log (what is in flight, queued, planned)."""
         ...
@@ -290,6 +296,10 @@ class Scheduler(Generic[P]):
 
     def version_of(self, trajectory_id: str) -> int:
         return self.state.version_of[trajectory_id]
+
+    def instance_state(self, instance: int, holds: int) -> str:
+        """Waves: every instance generates the wave of the version it holds."""
+        return "newest" if holds >= self.state.latest_version else "old"
 
     def describe(self) -> str:
         st = self.state

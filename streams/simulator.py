@@ -88,8 +88,10 @@ class LostTime:
     switch_s: float = 0.0
     idle_s: float = 0.0
     preemptions: int = 0
+    intra_by_state: dict[str, float] = field(default_factory=dict)
+    """``intra_bubble_s`` split by what the instance did for the rules (``instance_state``)."""
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
@@ -180,8 +182,9 @@ class _Instance:
         kv = kv_steps_left(self.ctx, len(self.active), self.params)
         return max(0, k if kv is None else min(k, kv))
 
-    def advance(self, now: float) -> None:
-        """Apply the whole decode steps that end by ``now`` (closed form, the active set is fixed)."""
+    def advance(self, now: float, state: str = "") -> None:
+        """Apply the whole decode steps that end by ``now`` (closed form, the active set is fixed); its
+        intra-instance bubble counts towards ``state`` (what the instance did for the rules meanwhile)."""
         if self.active and self.t < now:
             n = len(self.active)
             k = min(self._limit(), decode_steps_within(now - self.t, n, self.capacity, self.ctx, self.params))
@@ -189,7 +192,9 @@ class _Instance:
                 dt = decode_time(k, n, self.capacity, self.ctx, self.params)
                 self.t += dt
                 self.lost.decode_s += dt
-                self.lost.intra_bubble_s += dt * max(0.0, 1.0 - n / self.capacity)
+                bubble = dt * max(0.0, 1.0 - n / self.capacity)
+                self.lost.intra_bubble_s += bubble
+                self.lost.intra_by_state[state] = self.lost.intra_by_state.get(state, 0.0) + bubble
                 self.steps += k
                 self.ctx += n * k
         if not self.active and self.t < now:
@@ -265,7 +270,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             admit(inst, tr, now)
         for cancel in sched.take_cancels():
             inst = insts[cancel.instance]
-            inst.advance(now)
+            inst.advance(now, sched.instance_state(inst.index, inst.version))
             wanted = set(cancel.trajectory_ids)
             queued: dict[str, _Traj] = {}
             for v, waiting in inst.queue.items():
@@ -291,7 +296,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
 
     def admit(inst: _Instance, tr: _Traj, now: float) -> None:
         """A request reaches an instance: it queues, and the instance rule decides what starts."""
-        inst.advance(now)
+        inst.advance(now, sched.instance_state(inst.index, inst.version))
         waiting = inst.queue.setdefault(tr.version, deque())
         if tr.kv_held:
             waiting.appendleft(tr)  # its KV moves in: it resumes first
@@ -378,7 +383,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             inst = insts[idx]
             if epoch != inst.epoch:
                 continue
-            inst.advance(now + 1e-9 * max(1.0, now))  # past rounding: ulp(now) grows with now
+            # past rounding: ulp(now) grows with now
+            inst.advance(now + 1e-9 * max(1.0, now), sched.instance_state(inst.index, inst.version))
             for tid in inst.finished():
                 tr = inst.remove(tid)
                 assert tr is not None
@@ -399,6 +405,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     lost = LostTime(decode_s=sum(x.decode_s for x in parts), intra_bubble_s=sum(x.intra_bubble_s for x in parts),
                     prefill_s=sum(x.prefill_s for x in parts), reprefill_s=sum(x.reprefill_s for x in parts),
                     kv_move_s=sum(x.kv_move_s for x in parts),
+                    intra_by_state={k: sum(x.intra_by_state.get(k, 0.0) for x in parts)
+                                    for k in sorted({k for x in parts for k in x.intra_by_state})},
                     switch_s=sum(x.switch_s for x in parts), preemptions=sum(x.preemptions for x in parts))
     used = lost.decode_s + lost.prefill_s + lost.reprefill_s + lost.kv_move_s + lost.switch_s
     lost.idle_s = max(0.0, wall * len(insts) - used)

@@ -248,7 +248,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                     announce(step + 1, stats)
                     for name in ("reward_mean", "loss", "trained_tokens", "clip_frac", "approx_kl",
                                  "staleness_max", "response_len_mean", "tis_weight_mean", "logprob_diff_mean",
-                                 "logprob_diff_max", "update_tokens_per_s", "mfu", "micro_tokens"):
+                                 "logprob_diff_max", "update_tokens_per_s", "mfu", "micro_tokens", "mixed_version"):
                         if name in stats:
                             metrics.emit(name, stats[name], step=step, version=step + 1)
                     metrics.emit("train_s", step_s, step=step)

@@ -85,7 +85,8 @@ def samples_of(batch: TrainBatch) -> list[Sample]:
 def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig,
                dp: DataParallel | None = None) -> dict[str, float]:
     """Apply ``batch`` to ``state`` (one policy update); returns the update's statistics plus
-    ``staleness_max`` and ``staleness_mean`` of the batch. With ``dp`` collective: every rank calls it
+    ``staleness_max``, ``staleness_mean`` and ``mixed_version`` (its trajectories more than one version
+    wrote) of the batch. With ``dp`` collective: every rank calls it
     with the same batch (its ``state`` sharded by :func:`build_state`); the statistics are global."""
     stale = batch.staleness()
     bf16 = config.dtype == "bf16"
@@ -100,6 +101,7 @@ def train_step(state: TrainerState, batch: TrainBatch, config: DoraConfig,
                               micro_tokens=micro, packed=packs(config, dev))
     stats["staleness_max"] = float(max(stale, default=0))
     stats["staleness_mean"] = float(sum(stale) / len(stale)) if stale else 0.0
+    stats["mixed_version"] = float(sum(len(t.versions_used()) > 1 for t in batch.trajectories))  # C1 breaks
     stats.update(device_use(state.model, stats, bf16, micro))
     return stats
 

@@ -191,3 +191,16 @@ def test_repartition_triggers_timer_and_pressure() -> None:
     assert sched.pressure()
     sched.tick(112.0)
     assert sched.repartitions == n + 2
+
+
+@pytest.mark.parametrize("policy", ["drain", "consolidate"])
+def test_the_intra_instance_bubble_is_split_by_what_each_instance_did(policy: str) -> None:
+    """Every second of intra-instance bubble is counted once, under a state the rules name; ``drain``
+    shows draining instances, and every policy shows instances on old versions."""
+    params = EmulatedParams(time_scale=0.0, seed=2, cap_fraction=0.15)
+    r = simulate(_cfg("dora", 2, 96, repartition_policy=policy), params, train_s_per_token=2e-4)
+    split = r.lost.intra_by_state
+    assert set(split) <= {"newest", "old", "due", "draining"}
+    assert sum(split.values()) == pytest.approx(r.lost.intra_bubble_s)
+    assert split.get("newest", 0) > 0 and split.get("old", 0) + split.get("due", 0) + split.get("draining", 0) > 0
+    assert (split.get("draining", 0) > 0) == (policy == "drain")
