@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 class _Seq:
     """One request of a running ``generate`` call: the new tokens it will emit and its progress."""
 
-    __slots__ = ("first", "i", "lps", "new_ids", "new_lps", "pos", "reported", "req", "toks")
+    __slots__ = ("first", "i", "kv_in", "lps", "new_ids", "new_lps", "pos", "reported", "req", "toks")
 
     def __init__(self, i: int, req: GenRequest, params: EmulatedParams) -> None:
         self.i, self.req = i, req
@@ -56,6 +56,7 @@ class _Seq:
             self.new_ids, self.new_lps = [params.eos_id], [-0.1]
         self.pos = self.reported = 0
         self.first: float | None = None
+        self.kv_in = req.kv_moved and params.kv_move_s_per_token > 0  # its KV arrives once; a preemption loses it
 
     def initial_reason(self, aborted: bool, eos_id: int) -> FinishReason | None:
         if self.toks and self.toks[-1] == eos_id:
@@ -232,7 +233,10 @@ class EmulatedEngine:
                 started.append(waiting.pop(0))
                 ctx += started[-1].context()
             if started:
-                pre = sum(prefill_time(s.context(), p) for s in started)
+                pre = sum(s.context() * p.kv_move_s_per_token if s.kv_in else prefill_time(s.context(), p)
+                          for s in started)  # a moved KV arrives over the network, else a prefill
+                for s in started:
+                    s.kv_in = False
                 self.model_time_s += pre
                 t = max(t, time.monotonic()) + pre * scale
                 self._wait_until(t)

@@ -208,3 +208,24 @@ def test_params_from_dict_and_load() -> None:
     eng.load_state_dict({"anything": object()})
     assert 0.02 <= time.monotonic() - t0 < 0.5 and eng.loads == 1
     assert eng.model_time_s == pytest.approx(0.05) and eng.label == "emulated"
+
+
+def test_a_moved_kv_cache_is_charged_as_bytes_not_a_prefill() -> None:
+    """A resume whose partial came from the same version (``kv_moved``) costs ``kv_move_s_per_token`` per
+    context token when the engine models KV moves; otherwise (or with no cost set) it is prefilled again.
+    The tokens are the same either way."""
+    p = EmulatedParams(base_step_s=1e-5, prefill_s_per_token=1e-3, kv_move_s_per_token=1e-6, time_scale=0.0)
+    rid = _long_request_id(p, 512, 100)
+    part = EmulatedEngine(p).generate([_req(rid)])[0]
+    part = GenResult(rid, part.token_ids[:60], part.logprobs[:60], "abort", part.first_token_s, part.finished_s)
+    spent = {}
+    for moved, params in (("prefill", p), ("kv", p), ("no_cost", EmulatedParams(**{**p.__dict__,
+                                                                                    "kv_move_s_per_token": 0.0}))):
+        eng = EmulatedEngine(params)
+        req = GenRequest(request_id=rid, prompt_ids=[5, 6, 7], partial_ids=part.token_ids,
+                         partial_logprobs=part.logprobs, max_new_tokens=512, kv_moved=moved != "prefill")
+        out = eng.generate([req])[0]
+        spent[moved] = (eng.model_time_s, out.token_ids)
+    assert spent["prefill"][1] == spent["kv"][1] == spent["no_cost"][1]
+    assert spent["prefill"][0] - spent["kv"][0] == pytest.approx(63 * 1e-3 - 63 * 1e-6, rel=1e-6)
+    assert spent["no_cost"][0] == pytest.approx(spent["prefill"][0])
