@@ -1,6 +1,6 @@
-"""Issue 29's scheduler measurement at 64 (or 128) GPUs, TP 4 (simulated paper setup): DORA's re-partition policies
-against partial rollout held to the same bound, chosen on seeds 0-2, reported on seeds 3-5, with an
-ablation of each ``consolidate`` rule.
+"""Issue 29's scheduler measurement at 64 (or 128) GPUs, TP 4 (or 4 and 8; the simulated paper setup): DORA's
+re-partition policies against partial rollout held to the same bound, chosen on seeds 0-2, reported on seeds
+3-5, with an ablation of each ``consolidate`` rule.
 
 Sweeps of equal size (24 settings each, every one on seeds 0-2; the best mean is chosen):
 
@@ -18,7 +18,8 @@ seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost pa
 
 Usage::
 
-    python bench/scheduler.py [--gpus 128]   # ~13 min (64) on 2 cores -> bench/results/scheduler-<time>.json + .png
+    python bench/scheduler.py [--gpus 128] [--tps 4 8]   # ~13 min (64, TP 4) on 2 cores
+    # -> bench/results/scheduler-<time>.json + .png
 """
 
 from __future__ import annotations
@@ -43,12 +44,19 @@ CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
 ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due", "kv_admission_on")
 
 
-def sweeps(gpus: int) -> dict[str, list[Setting]]:
+HOP_US = 0.5
+"""The all-reduce hop latency at TP 8 (decision 0041: the most the frozen TP-4 overhead allows)."""
+
+
+def sweeps(gpus: int, tps: tuple[int, ...] = (4,)) -> dict[str, list[Setting]]:
+    """Each mode's settings, at every TP of ``tps`` (the same count per mode)."""
     splits = (gpus // 2, 5 * gpus // 8, 3 * gpus // 4)
-    dora = [Setting("dora", S, f, r, gpus - r, max_num_seqs=n, repartition=pol)
-            for pol in ("drain", "consolidate") for r in splits for f in (2.0, 3.0) for n in (128, 256)]
-    partial = [Setting("partial_bounded", S, f, r, gpus - r, max_num_seqs=n)
-               for r in splits for f in (1.5, 2.0, 3.0, 4.0) for n in (128, 256)]
+    hop = {tp: 0.0 if tp == 4 else HOP_US * 1e-6 for tp in tps}
+    dora = [Setting("dora", S, f, r, gpus - r, max_num_seqs=n, repartition=pol, tp=tp, hop_latency_s=hop[tp])
+            for tp in tps for pol in ("drain", "consolidate") for r in splits if r % tp == 0
+            for f in (2.0, 3.0) for n in (128, 256)]
+    partial = [Setting("partial_bounded", S, f, r, gpus - r, max_num_seqs=n, tp=tp, hop_latency_s=hop[tp])
+               for tp in tps for r in splits if r % tp == 0 for f in (1.5, 2.0, 3.0, 4.0) for n in (128, 256)]
     return {"dora": dora, "partial": partial}
 
 
@@ -81,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="issue 29's scheduler measurement (module docstring)")
     ap.add_argument("--gpus", type=int, default=64, choices=(64, 128))
-    gpus = ap.parse_args(argv).gpus
+    ap.add_argument("--tps", type=int, nargs="+", default=[4], choices=(4, 8), help="rollout TPs swept")
+    args = ap.parse_args(argv)
+    gpus, tps = args.gpus, tuple(args.tps)
     t0 = time.time()
     w, eff = Workload(), replace(Efficiencies(), train_mfu=MFU)
-    grids = sweeps(gpus)
+    grids = sweeps(gpus, tps)
     out: dict[str, Any] = {**provenance(), "engine": "simulated (hardware_costs: H800, Qwen2.5-32B)", "gpus": gpus,
-                           "tp": 4, "staleness": S, "train_mfu": MFU, "choose_seeds": CHOOSE, "report_seeds": REPORT,
-                           "sweep": {}, "modes": {}, "ablation": {}}
+                           "tps": list(tps), "staleness": S, "train_mfu": MFU, "choose_seeds": CHOOSE,
+                           "report_seeds": REPORT, "sweep": {}, "modes": {}, "ablation": {}}
     chosen: dict[str, Setting] = {}
     for label, grid in grids.items():
         runs = run_many([(st, w, eff, s) for st in grid for s in CHOOSE], workers=2)
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     out["ablation"] = ablation(best_consolidate, w, eff)
     thr = {k: v["throughput"] for k, v in out["modes"].items()}
     mean = {k: statistics.fmean(v) for k, v in thr.items()}
-    out["bound"] = bound(gpus, w, eff)
+    out["bound"] = max((bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == 4 else HOP_US * 1e-6) for tp in tps),
+                       key=lambda b: b["tokens_per_s"])  # the best over the TPs swept
     out["ratios"] = {"dora_vs_partial": mean["dora"] / mean["partial"],
                      "dora_vs_partial_interval": paired_ratio_interval(thr["dora"], thr["partial"]),
                      "dora_vs_partial_unbounded": mean["dora"] / mean["partial_unbounded"],
@@ -147,7 +158,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.scatter([i] * len(v["throughput"]), v["throughput"], color="black", s=10, zorder=3)
     ax.axhline(out["bound"]["tokens_per_s"], color="tab:red", ls="--", lw=1, label="bubble-free bound")
     ax.set_xticks(range(len(rows)), [f"{k}\n{v['setting']}" for k, v in rows.items()], fontsize=5, rotation=20)
-    title = (f"{out['gpus']} H800, TP 4, S = {out['staleness']}, seeds 3-5 (chosen on 0-2); "
+    tps = "/".join(map(str, out.get("tps", [4])))
+    title = (f"{out['gpus']} H800, TP {tps}, S = {out['staleness']}, seeds 3-5 (chosen on 0-2); "
              f"commit {str(out.get('commit', ''))[:7]}")
     ax.set(ylabel="trained tokens / s", title=title)
     ax.legend(fontsize=7)
