@@ -18,7 +18,7 @@ beside it on 2 cores), so the default is one seed and 8 steps (4 steady) per run
 Usage::
 
     .venv/bin/python bench/paper_scale.py [--gpus 64 512 1024 2048] [--seeds 0] [--workers 2]
-        [--steps 8] [--policies migrate drain]
+        [--steps 8] [--policies migrate drain consolidate]
 """
 
 from __future__ import annotations
@@ -42,13 +42,22 @@ PER_GPU_TBS = 128
 """Trajectories per step per GPU: the paper's 512 prompts x 16 samples on 64 GPUs."""
 
 
+RBS_OF_POLICY = {"migrate": 2.0, "drain": 2.0, "consolidate": 3.0}
+"""DORA's RBS (x TBS) per re-partition policy: its 64-GPU choice (``consolidate``: ``bench/scheduler.py``,
+``scheduler-20261127-001554.json``; the others: the headline)."""
+
+
 def layouts(gpus: int, policies: tuple[str, ...] = ("migrate", "drain")) -> list[paper.Setting]:
-    """Each mode's 64-GPU choice, scaled to ``gpus`` (module docstring); DORA under each of ``policies``."""
+    """Each mode's 64-GPU choice, scaled to ``gpus`` (module docstring); DORA under each of ``policies``; with
+    ``consolidate`` among them, also partial rollout held to DORA's S at its 64-GPU choice (RBS 1.5x)."""
     r = 5 * gpus // 8
+    bounded = ([paper.Setting("partial_bounded", 2, 1.5, r, gpus - r, max_num_seqs=256)]
+               if "consolidate" in policies else [])
     return [paper.Setting("sync", 0, 1.0, gpus, gpus, colocated=True, max_num_seqs=256),
             paper.Setting("one_step_off", 1, 2.0, r, gpus - r, max_num_seqs=256),
-            paper.Setting("partial", 0, 2.0, r, gpus - r, max_num_seqs=256),
-            *(paper.Setting("dora", 2, 2.0, r, gpus - r, max_num_seqs=256, repartition=p) for p in policies)]
+            paper.Setting("partial", 0, 2.0, r, gpus - r, max_num_seqs=256), *bounded,
+            *(paper.Setting("dora", 2, RBS_OF_POLICY[p], r, gpus - r, max_num_seqs=256, repartition=p)
+              for p in policies)]
 
 
 def summarize(gpus: int, st: paper.Setting, runs: list[dict[str, Any]], bound: dict[str, Any],
@@ -95,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--policies", nargs="+", choices=("migrate", "drain"), default=["migrate", "drain"],
+    ap.add_argument("--policies", nargs="+", choices=("migrate", "drain", "consolidate"),
+                    default=["migrate", "drain"],
                     help="DORA's re-partition policies (migrate collapses from 512 GPUs on: decision 0032)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
