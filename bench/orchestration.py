@@ -25,7 +25,7 @@ instances it frees + its migrations) — O(K) when it would decide nothing — a
 T, R, M, H grow with N.
 
 Usage: ``python bench/orchestration.py [--scales 512 2048 8192] [--capacity 16] [--steps 4]
-[--step-time-s 300] [--heartbeat-s 1] [--repartition drain|migrate]``; writes
+[--step-time-s 300] [--heartbeat-s 1] [--repartition drain|migrate|consolidate]``; writes
 ``bench/results/orchestration-<UTC stamp>.json``, ``.png``.
 """
 
@@ -53,7 +53,7 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
               max_staleness: int = 2, decode_median: float = 0.5, seed: int = 0,
               repartition_policy: str | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps; returns per-step timings (measured steps only) and checks.
-    ``repartition_policy``: DORA's (``migrate`` / ``drain``); ``None``: the config's default."""
+    ``repartition_policy``: DORA's (``migrate`` / ``drain`` / ``consolidate``); ``None``: the config's default."""
     from dora_rl.config import DoraConfig
     from dora_rl.streams.scheduling import make_scheduler
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-median", type=float, default=0.5, help="median decode time, in steps")
     for flag, default in (("--max-staleness", 2), ("--group", 16), ("--seed", 0)):
         ap.add_argument(flag, type=int, default=default)
-    ap.add_argument("--repartition", choices=("migrate", "drain"), default=None,
+    ap.add_argument("--repartition", choices=("migrate", "drain", "consolidate"), default=None,
                     help="DORA's re-partition policy (default: the config's, recorded in the result)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
