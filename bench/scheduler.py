@@ -157,7 +157,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.bar(i, v["throughput_mean"], color="tab:blue" if k.startswith(("dora", "consolidate")) else "tab:gray")
         ax.scatter([i] * len(v["throughput"]), v["throughput"], color="black", s=10, zorder=3)
     ax.axhline(out["bound"]["tokens_per_s"], color="tab:red", ls="--", lw=1, label="bubble-free bound")
-    ax.set_xticks(range(len(rows)), [f"{k}\n{v['setting']}" for k, v in rows.items()], fontsize=5, rotation=20)
+    ax.set_xticks(range(len(rows)), [f"{k}\n{v['setting']}" for k, v in rows.items()], fontsize=5, rotation=20,
+                  ha="right")
     tps = "/".join(map(str, out.get("tps", [4])))
     title = (f"{out['gpus']} H800, TP {tps}, S = {out['staleness']}, seeds 3-5 (chosen on 0-2); "
              f"commit {str(out.get('commit', ''))[:7]}")
