@@ -43,8 +43,9 @@ sorted, so only the tail beyond its quota is looked at), and one that would deci
 newest version, quotas and holders as the last one left them, no draining instance emptied since —
 ``O(versions)``: it is skipped, with the same outcome (``tests/unit/test_dora_policy.py``). A
 draining instance is switched when it empties (the counts note who emptied), not found by a scan. No
-rule scans every trajectory or every instance on an event or a poll. The partial-rollout baseline
-reuses these rules (:mod:`dora_rl.streams.partial_policy`).
+rule scans every trajectory or every instance on an event or a poll; ``consolidate``'s levelling scans the
+instances once per re-partition that levels (``O(instances + the trajectories it moves)``). The partial-rollout
+baseline reuses these rules (:mod:`dora_rl.streams.partial_policy`).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class DoraScheduler(Generic[P]):
         self.kv_admission = config.consolidate_kv_admission
         self.level = config.consolidate_level
         self.slots = self.capacity  # requests one instance is given (``kv_slots`` with ``kv_admission``)
-        # (latest, quotas, instances' epoch) as the last re-partition left them: the same again decides nothing
+        # (latest, quotas, instances' epoch, slots) as the last re-partition left them: the same again decides nothing
         self._unchanged: tuple[int, dict[int, int], int, int] | None = None
         self.unchanged_repartitions = 0
         self._heaps = SlotHeaps()
@@ -264,8 +265,7 @@ class DoraScheduler(Generic[P]):
         if same == self._unchanged and not (draining and (emptied is None or any(i in draining for i in emptied))):
             self.unchanged_repartitions += 1
             # what it would decide is what holds now: nothing moves, the same instances drain
-            levelling = self.consolidate and self.level and not self._newest_can_take()
-            return self._levelled() if levelling else []
+            return self._levelled() if self._levelling() else []
         current = self.state.instance_version
         moves = assign(members, quota, latest, LOST)  # the free instances only: O(versions + moved)
         if self.drain:  # moved instances still decoding keep their version until empty (nothing cancelled)
@@ -280,18 +280,27 @@ class DoraScheduler(Generic[P]):
                 moving = tuple(sorted((tid for tid in counts.placed.get(i, ()) if trajs[tid].version == current[i]),
                                       key=counts.pos.__getitem__))
                 if moving:
-                    for tid in moving:
-                        self.state.migrating[tid] = i
-                        trajs[tid].instance = -1
-                    cancels.append(Cancel(i, moving))
+                    cancels.append(self._move_off(i, moving))
         for i, version in moves.items():
             if version != current[i]:
                 current[i] = version
         self._unchanged = (latest, quota, counts.epoch, self.slots)
         self.cancels.extend(cancels)
-        if self.consolidate and self.level and not self._newest_can_take():
+        if self._levelling():
             cancels += self._levelled()
         return cancels
+
+    def _move_off(self, instance: int, tids: tuple[str, ...]) -> Cancel:
+        """Cancel ``tids`` on ``instance``; each resumes, with its partial, on an instance of its version."""
+        trajs = self.state.trajs
+        for tid in tids:
+            self.state.migrating[tid] = instance
+            trajs[tid].instance = -1
+        return Cancel(instance, tids)
+
+    def _levelling(self) -> bool:
+        """``consolidate`` levels (rather than packs) now: the newest version can take nothing."""
+        return self.consolidate and self.level and not self._newest_can_take()
 
     def _newest_can_take(self) -> bool:
         """Whether the newest version could be given a group now (prompts left, rules 1-3 allow it)."""
@@ -300,18 +309,15 @@ class DoraScheduler(Generic[P]):
     def _levelled(self) -> list[Cancel]:
         """``consolidate`` while the newest version can take nothing: each version's in-flight work moved
         (with its KV) off its fullest instances to its emptiest (:func:`~.kv_room.excess`)."""
-        counts, trajs, out = self.state.counts, self.state.trajs, []
+        counts, trajs, out = self.state.counts, self.state.trajs, []  # O(instances): a re-partition, not an event
         for v, holders in counts.members.items():
             if v < 0 or len(holders) < 2:
                 continue
             for i, n in excess({i: counts.load.get(i, 0) for i in holders}).items():
                 placed = [t for t in counts.placed.get(i, ()) if not trajs[t].done and trajs[t].version == v]
                 moving = tuple(sorted(placed, key=counts.pos.__getitem__)[-n:])
-                for tid in moving:
-                    self.state.migrating[tid] = i
-                    trajs[tid].instance = -1
                 if moving:
-                    out.append(Cancel(i, moving))
+                    out.append(self._move_off(i, moving))
         self.cancels.extend(out)
         return out
 
@@ -325,7 +331,7 @@ class DoraScheduler(Generic[P]):
             self.slots = slots
             self._heaps.reset()
         counts, latest = self.state.counts, self.state.latest
-        if self.level and not self._newest_can_take():  # spread: stragglers decode faster on emptier instances
+        if self._levelling():  # spread: stragglers decode faster on emptier instances
             return quotas({v: float(n) for v, n in counts.in_flight.items() if v >= 0}, n_live), dict(counts.members)
         in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
         held = {v: len(h) for v, h in counts.members.items() if v >= 0}
@@ -464,7 +470,7 @@ class DoraScheduler(Generic[P]):
                 if version < st.latest and (slots.free < self.G or due):
                     break  # older versions only back-fill idle slots (under drain: not when due next step)
                 if self.consolidate and slots.free < self.G:
-                    break  # KV-aware admission: a group only into room; the rest waits untagged (kv_room)
+                    break  # a group only into free slots (KV room with kv_admission); the rest waits untagged
                 if self.drain and version == st.latest:  # the newest queues at most G beyond a full instance
                     top = slots.top()
                     if top is None or top[0] > self.capacity:
