@@ -164,7 +164,8 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     spt = train_seconds_per_token(H800, QWEN25_32B, eff, setting.train_gpus)
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
-                     switch_s=switch_seconds(H800, QWEN25_32B, setting.tp, colocated=setting.colocated))
+                     switch_s=switch_seconds(H800, QWEN25_32B, setting.tp, colocated=setting.colocated),
+                     colocated=setting.colocated)
     except RuntimeError as exc:
         raise RuntimeError(f"{setting.name}, seed {seed}, {w.steps} steps: {exc}") from exc
     return figures(r, setting, w, n_inst)

@@ -6,7 +6,10 @@ Sweeps of equal size (24 settings each, every one on seeds 0-2; the best mean is
 
 * DORA, S = 2: policy ``drain`` / ``consolidate`` x split 32 / 40 / 48 rollout GPUs x RBS 2 / 3 x TBS x
   ``max_num_seqs`` 128 / 256;
-* partial held to S = 2 (``partial``, decision 0047): split x RBS 1.5 / 2 / 3 / 4 x TBS x ``max_num_seqs``.
+* partial held to S = 2 (``partial``, decision 0047): split x RBS 1.5 / 2 / 3 / 4 x TBS x ``max_num_seqs``;
+* the paper's colocated, Kimi-style partial held to S = 2 (``colocated``: all GPUs generate, then all train, generation
+  paused meanwhile; unfinished trajectories resume under the new weights): RBS 1 / 1.25 / 1.5 / 2 / 3 / 4 x TBS x
+  ``max_num_seqs`` 64 / 128 / 192 / 256.
 
 The unbounded partial runs at the committed headline's choice, reported with its staleness. Then the chosen
 settings run on seeds 3-5, and DORA's ``consolidate`` choice with each rule switched in turn: KV moves off (the
@@ -15,6 +18,9 @@ levelling off, the due version packed, and KV-capped admission on (off by defaul
 The DORA / partial ratio's interval is a paired bootstrap over the reported seeds (ratio of means,
 seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost parameters as frozen in
 ``dora_rl/core/hardware_costs.py`` plus the KV move's cost (bytes over the network).
+
+A probe, not a mode: DORA ``consolidate`` on the colocated layout (its RBS and ``max_num_seqs`` swept, 4 settings),
+to show what colocating the product's roles would be worth in this model.
 
 Usage::
 
@@ -41,6 +47,8 @@ from provenance import provenance, write_result
 HEADLINE = Path(__file__).resolve().parent / "results" / "paper-sim-20261125-012446.json"
 S, MFU = 2, 0.40
 CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
+COLOCATED_RBS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+"""The colocated partial's over-provisioning sweep (with 4 ``max_num_seqs``: 24 settings a TP, as the others)."""
 ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due", "kv_admission_on")
 
 
@@ -57,7 +65,10 @@ def sweeps(gpus: int, tps: tuple[int, ...] = (4,)) -> dict[str, list[Setting]]:
             for f in (2.0, 3.0) for n in (128, 256)]
     partial = [Setting("partial_bounded", S, f, r, gpus - r, max_num_seqs=n, tp=tp, hop_latency_s=hop[tp])
                for tp in tps for r in splits if r % tp == 0 for f in (1.5, 2.0, 3.0, 4.0) for n in (128, 256)]
-    return {"dora": dora, "partial": partial}
+    colocated = [Setting("partial_bounded", S, f, gpus, gpus, colocated=True, max_num_seqs=n, tp=tp,
+                         hop_latency_s=hop[tp])
+                 for tp in tps for f in COLOCATED_RBS for n in (64, 128, 192, 256)]
+    return {"dora": dora, "partial": partial, "colocated": colocated}
 
 
 def unbounded_choice(gpus: int) -> Setting:
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     best_consolidate = max((st for st in grids["dora"] if st.repartition == "consolidate"),
                            key=lambda st: out["sweep"]["dora"][st.name])
     chosen["dora_consolidate"] = best_consolidate
+    out["probe"] = colocated_dora_probe(best_consolidate, w, eff)
     jobs = [(st, w, eff, s) for st in chosen.values() for s in REPORT]
     runs = run_many(jobs, workers=2)
     for k, (label, st) in enumerate(chosen.items()):
@@ -123,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                      "dora_vs_partial_interval": paired_ratio_interval(thr["dora"], thr["partial"]),
                      "dora_vs_partial_unbounded": mean["dora"] / mean["partial_unbounded"],
                      "dora_fraction_of_bound": mean["dora"] / out["bound"]["tokens_per_s"],
+                     "dora_vs_colocated": mean["dora"] / mean["colocated"],
+                     "dora_vs_colocated_interval": paired_ratio_interval(thr["dora"], thr["colocated"]),
                      "consolidate_vs_partial": mean["dora_consolidate"] / mean["partial"],
                      "consolidate_vs_partial_interval": paired_ratio_interval(thr["dora_consolidate"],
                                                                               thr["partial"])}
@@ -133,6 +147,19 @@ def main(argv: list[str] | None = None) -> int:
                       "ablation": {k: round(v["throughput_mean"]) for k, v in out["ablation"].items()},
                       "ratios": out["ratios"], "file": str(path)}, indent=1))
     return 0
+
+
+def colocated_dora_probe(st: Setting, w: Workload, eff: Efficiencies) -> dict[str, Any]:
+    """DORA ``consolidate`` on the colocated layout (simulated only: the product cannot colocate its trainer
+    and instances): RBS 2 / 3 x ``max_num_seqs`` 128 / 256 at ``st``'s TP, chosen on seeds 0-2, run on 3-5."""
+    grid = [replace(st, rbs_factor=f, rollout_gpus=st.rollout_gpus + st.train_gpus,
+                    train_gpus=st.rollout_gpus + st.train_gpus, colocated=True, max_num_seqs=n)
+            for f in (2.0, 3.0) for n in (128, 256)]
+    runs = run_many([(g, w, eff, s) for g in grid for s in CHOOSE], workers=2)
+    means = [statistics.fmean(r["throughput"] for r in runs[i * len(CHOOSE):(i + 1) * len(CHOOSE)])
+             for i in range(len(grid))]
+    best = grid[max(range(len(grid)), key=means.__getitem__)]
+    return {"dora_colocated": summary(run_many([(best, w, eff, s) for s in REPORT], workers=2), best)}
 
 
 def ablation(st: Setting, w: Workload, eff: Efficiencies) -> dict[str, Any]:
@@ -151,7 +178,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {**out["modes"], **{f"consolidate, {k}": v for k, v in out["ablation"].items()}}
+    rows = {**out["modes"], **out.get("probe", {}), **{f"consolidate, {k}": v for k, v in out["ablation"].items()}}
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, (k, v) in enumerate(rows.items()):
         ax.bar(i, v["throughput_mean"], color="tab:blue" if k.startswith(("dora", "consolidate")) else "tab:gray")

@@ -14,7 +14,7 @@ run unchanged; only the world around them is simulated on a virtual clock:
   fixed, so its progress is advanced in closed form (:func:`decode_steps_within`), not step by step;
 - **trainer**: takes batch ``k`` when it is cut and idle, spends :func:`modelled_train_s` (``train_s_fixed +
   train_s_per_token * (prompt + response tokens)``, the real trainer's modelled time too), then publishes
-  version ``k + 1``;
+  version ``k + 1`` (``colocated``: the instances share its GPUs and pause while it trains);
 - **migration**: a cancelled trajectory's tokens so far move to an instance of the same version.
 
 Where the time goes (instance-seconds, :class:`LostTime`): decoding (its empty slots are the
@@ -216,13 +216,15 @@ class _Instance:
 
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
              train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
-             max_events: int | None = None, group_prefix: str = "g") -> SimResult:
+             max_events: int | None = None, group_prefix: str = "g", colocated: bool = False) -> SimResult:
     """Run ``config`` on the virtual clock; returns figures and the invariant counters.
 
     ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it).
     ``max_events`` (default ``100`` per trajectory of the run, at least 2M) stops a run that livelocks.
     Group ``i`` is ``f"{group_prefix}{i}"``: with a real run's prefix (``"<run id>/p"``, the dataset role's
-    ids) every request draws the same emulated length as in that run (lengths hash the request id)."""
+    ids) every request draws the same emulated length as in that run (lengths hash the request id).
+    ``colocated``: the trainer shares the instances' GPUs (the Kimi-style layout), so every instance pauses
+    while a step trains: work in progress, a prefill included, resumes when the step ends."""
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
@@ -347,6 +349,12 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             waiting.popleft()
             start(inst, tr, now)
 
+    def pause(inst: _Instance, now: float, dur: float) -> None:
+        """Hold ``inst`` still for ``[now, now + dur)``: its clock moves past the pause (not counted as use)."""
+        inst.advance(now, sched.instance_state(inst.index, inst.version))
+        inst.t = (inst.t if inst.active or inst.t > now else now) + dur
+        schedule(inst)
+
     def try_train(now: float) -> None:
         nonlocal trainer_free_at, trainer_busy, trained
         while (cut := asm.cut()) is not None:
@@ -364,6 +372,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             step_tokens.append(tokens)
             trainer_free_at = now + dur
             trainer_busy += dur
+            for inst in insts if colocated else ():
+                pause(inst, now, dur)
             trained += tokens
             staleness.extend(cut.staleness())
             sizes.append(len(cut.trajectories))

@@ -138,3 +138,16 @@ def test_step_overhead_is_the_frozen_one_at_tp4_and_grows_with_tp_and_hop_latenc
     # TP 8: half the weight read per GPU, so a faster step and more KV room per instance than TP 4
     p8 = rollout_params(H800, QWEN25_32B, eff, 8, 256)
     assert p8.base_step_s < p4.base_step_s and p8.kv_capacity_tokens > 2 * p4.kv_capacity_tokens
+
+
+def test_colocated_instances_pause_while_the_trainer_holds_their_gpus() -> None:
+    """Kimi-style partial: generation stops for every training step, so each instance is idle at least the
+    trainer's busy time; disaggregated, the same run decodes through training and ends sooner."""
+    p = EmulatedParams(time_scale=0.0, seed=2, kv_s_per_token=1e-7)
+    apart = simulate(_cfg("partial", 2, 64), p, train_s_fixed=2.0)
+    together = simulate(_cfg("partial", 2, 64), p, train_s_fixed=2.0, colocated=True)
+    for r in (apart, together):
+        assert r.steps == 6 and r.batch_sizes == [32] * 6 and r.refused == 0
+    assert together.lost.idle_s >= 4 * together.trainer_busy_s * (1 - 1e-9)
+    assert apart.lost.idle_s < 4 * apart.trainer_busy_s, "disaggregated, instances decode while it trains"
+    assert together.wall_s > apart.wall_s

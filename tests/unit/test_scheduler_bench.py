@@ -1,0 +1,25 @@
+"""bench/scheduler.py's sweeps: every mode gets the same number of settings at every TP, the colocated partial
+uses the whole cluster for both phases, and every setting is held to the same bound."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import scheduler
+
+
+@pytest.mark.parametrize(("gpus", "tps"), [(64, (4,)), (64, (4, 8)), (128, (4, 8))])
+def test_every_mode_gets_a_sweep_of_the_same_size(gpus: int, tps: tuple[int, ...]) -> None:
+    grids = scheduler.sweeps(gpus, tps)
+    assert set(grids) == {"dora", "partial", "colocated"}
+    assert len({len(g) for g in grids.values()}) == 1
+    assert {st.staleness for g in grids.values() for st in g} == {scheduler.S}
+    for st in grids["colocated"]:
+        assert st.colocated and st.rollout_gpus == st.train_gpus == gpus and st.mode == "partial_bounded"
+    for st in grids["dora"] + grids["partial"]:
+        assert not st.colocated and st.rollout_gpus + st.train_gpus == gpus and st.rollout_gpus % st.tp == 0
