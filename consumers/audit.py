@@ -68,6 +68,7 @@ from dora_rl.consumers.audit_checks import (
     waste,
 )
 from dora_rl.infra import topics
+from dora_rl.infra.announcements import announcement_problem
 from dora_rl.infra.kafka_io import read_all
 from dora_rl.infra.runs import get_run
 from dora_rl.schemas.codec import DecodeError
@@ -122,6 +123,8 @@ class AuditReport:
     ids_unbalanced: int = 0
     waste_trajectories: int = 0
     waste_tokens: int = 0
+    v_refused: int = 0
+    """Announcements every reader refuses (no holder, a negative version): left out of the version checks."""
     c3_over_stale: int = 0
     tbs_wrong_size: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
@@ -174,6 +177,8 @@ class AuditReport:
         if self.c1_breaks_expected:
             lines.append(f"  note c1_breaks_expected = {self.c1_breaks_expected} "
                          "(partial mode mixes versions by design)")
+        if self.v_refused:
+            lines.append(f"  note v_refused = {self.v_refused} (announcements refused on receipt, not checked)")
         if self.dead_letters:
             lines.append(f"  dead letters: {self.dead_letters}")
         lines.extend(f"  re-fed from run {src}: {c['batches']} batches, {c['trajectories']} trajectories"
@@ -208,6 +213,9 @@ def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion]) -> set[i
     announced: set[int] = set()
     newest = -1
     for ann in versions:
+        if announcement_problem(ann, check_manifest=False) is not None:  # refused by every reader: not the run's
+            rep.v_refused += 1
+            continue
         checksums[int(ann.version)].add(tuple(b.checksum for b in ann.buckets))
         if ann.announced_by == PolicyVersion.TRAINER:
             if int(ann.version) <= newest:

@@ -33,6 +33,7 @@ import numpy as np
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
+from dora_rl.infra.announcements import announcement_problem
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import (
     BatchPlan,
@@ -97,7 +98,14 @@ class Orchestrator:
                 self.prompts[r.group_id], self.prompt_ref[r.group_id] = r, rec.ref
                 self.rules.add_prompt(r.group_id, r)
         elif rec.topic == topics.VERSIONS:
-            self.rules.on_version(int(r.version), ctx.now())
+            problem = announcement_problem(r, check_manifest=False)
+            if problem is not None:  # the instances refuse it too: no version to schedule for
+                ctx.emit(topics.DLQ, DeadLetter(component=COMPONENT, reason=problem, error_type="announcement",
+                                                source_topic=rec.topic, source_partition=rec.partition,
+                                                source_offset=rec.offset, ts_ms=ctx.wall_ms(), run_id=self.run_id,
+                                                key=rec.key), f"{rec.topic}/{rec.partition}/{rec.offset}")
+            else:
+                self.rules.on_version(int(r.version), ctx.now())
         elif rec.topic == topics.TRAJECTORIES:
             self.rules.on_completed(r.trajectory_id, len(r.prompt_ids), len(r.response_ids))
         elif rec.topic == topics.SCORED:

@@ -11,16 +11,28 @@ from pathlib import Path
 from typing import Any
 
 
-def steps_done(bootstrap: str, run_id: str) -> int:
+def _metrics(bootstrap: str, run_id: str) -> list[Any]:
+    """The decodable records of ``dora.metrics`` from the run's start (garbage on the topic is passed over)."""
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_io import read_all
     from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import Metric
 
+    out = []
     start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.METRICS)
-    steps = set()
     for msg in read_all(bootstrap, topics.METRICS, start):
-        m = Metric.decode(msg.value(), msg.headers())
+        try:
+            out.append(Metric.decode(msg.value(), msg.headers()))
+        except DecodeError:
+            continue
+    return out
+
+
+def steps_done(bootstrap: str, run_id: str) -> int:
+
+    steps = set()
+    for m in _metrics(bootstrap, run_id):
         if m.run_id == run_id and m.component == "trainer" and m.name == "reward_mean" and m.step is not None:
             steps.add(int(m.step))
     return len(steps)
@@ -60,15 +72,9 @@ def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
 
 
 def metric_total(bootstrap: str, run_id: str, component: str, name: str) -> float:
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
-    from dora_rl.schemas.records import Metric
 
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.METRICS)
     total = 0.0
-    for msg in read_all(bootstrap, topics.METRICS, start):
-        m = Metric.decode(msg.value(), msg.headers())
+    for m in _metrics(bootstrap, run_id):
         if m.run_id == run_id and m.component == component and m.name == name:
             total += m.value
     return total

@@ -62,7 +62,7 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
     n_prompts = (config.steps * config.train_batch_size + config.rollout_batch_size) // config.group_size
     for i in range(n_prompts):
         push(0.0, topics.PROMPTS, _prompt(i))
-    push(0.0, topics.VERSIONS, SimpleNamespace(version=0))
+    push(0.0, topics.VERSIONS, SimpleNamespace(version=0, holders=("h",)))
     elastic = config.mode in ELASTIC
     for i in range(3):
         push(0.0, "beat", i)
@@ -119,7 +119,7 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
                     SimpleNamespace(trajectory_id=tid, group_id=tid.rsplit("/", 1)[0])
                     for tid in o.record.trajectory_ids])
                 push(t + 2.0, topics.BATCHES, batch)
-                push(t + 2.5, topics.VERSIONS, SimpleNamespace(version=step + 1))
+                push(t + 2.5, topics.VERSIONS, SimpleNamespace(version=step + 1, holders=("h",)))
         if orch.done():
             break
     assert orch.done(), "the recorded world must complete the run"
@@ -235,3 +235,24 @@ def test_a_dead_letter_naming_a_queued_group_changes_nothing(mode: str) -> None:
     driver = MemoryDriver(lambda: Orchestrator(RUN, config), inputs, commit_every=1)
     driver.run()  # snapshots after every record: raised KeyError on the letter before
     assert driver.committed.snapshot is not None and last.encode() in driver.committed.snapshot
+
+
+def test_an_announcement_no_instance_can_load_is_refused_not_scheduled_for() -> None:
+    """A forged announcement of a future version with no holder: dead-lettered with its position, and new work
+    keeps the version every instance can load (it moved the orchestrator to a version nobody could serve)."""
+    from dora_rl.schemas.records import DeadLetter
+
+    orch = Orchestrator(RUN, _cfg("dora", 1))
+    ctx = Context(lambda refs: {}, lambda: 0.0, lambda: 0)
+    ann = PolicyVersion(run_id=RUN, version=0, step=0, created_ms=0, transport="tcp", holders=("h",),
+                        total_bytes=0, checksum_algo="xxh3_64", tensors=(), buckets=())
+    orch.process(InRecord(topics.VERSIONS, 0, 0, None, ann), ctx)
+    orch.process(InRecord(topics.VERSIONS, 1, 7, None, ann.replace(version=99, holders=())), ctx)
+    orch.process(InRecord(topics.PROMPTS, 0, 0, None, _prompt(0)), ctx)
+    orch.punctuate(0.0, ctx)
+    out = ctx.take()
+    assert [o.record.policy_version for o in out if o.topic == topics.REQUESTS] == [0] * 4
+    letters = [o.record for o in out if o.topic == topics.DLQ]
+    assert len(letters) == 1 and isinstance(letters[0], DeadLetter)
+    assert (letters[0].source_topic, letters[0].source_partition, letters[0].source_offset) == (topics.VERSIONS, 1, 7)
+    assert "no holder" in letters[0].reason

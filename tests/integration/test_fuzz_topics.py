@@ -1,0 +1,183 @@
+"""Whatever arrives on a topic, a live run goes on (issue 31): hostile records are written into every topic the
+run reads while it trains (real broker, dora mode, emulated engine), and the run reaches its steps, the audit
+passes, and every injected record that a live reader consumed has its dead letter naming its position.
+
+Injected, at the head of each topic partition a live role reads: random bytes with no headers, a valid record
+cut short, a non-UTF-8 schema header, an unknown schema name, an unknown schema fingerprint, and (on the scored
+topic) a 900 KB record of garbage. Records with bad meaning: a scored trajectory of an unknown group with a NaN
+reward, an announcement with no holder, and refusals naming a queued and an unknown group. ``dora.runs`` and
+``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
+live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
+readers of that topic (and partition) wrote one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_helpers import emulated_run, steps_done, wait_for
+
+pytestmark = pytest.mark.broker
+
+CONFIG = emulated_run(steps=12, seed=17, max_new_tokens=64, emulated={"base_step_s": 0.06})
+
+
+LAST_GROUP = CONFIG["steps"] * CONFIG["train_batch_size"] // CONFIG["group_size"] - 1
+"""A group still queued when the records arrive (after the first step): a forged refusal of it must not lose it."""
+
+
+def _live_partitions(topic: str, partitions: int) -> list[int]:
+    """The partitions of ``topic`` a live role reads (each rollout instance reads its own request partition)."""
+    from dora_rl.infra import topics
+
+    return list(range(CONFIG["num_instances"])) if topic == topics.REQUESTS else list(range(partitions))
+
+
+def _garbage(template: tuple[bytes, list[tuple[str, bytes]]], rng: random.Random) -> list[tuple[str, bytes, list]]:
+    """(kind, value, headers) of the byte-level injections, from one valid record of the topic."""
+    value, headers = template
+    name = dict(headers)["dora.schema"]
+    return [("random_bytes", rng.randbytes(64), []),
+            ("truncated", value[: max(1, len(value) // 2)], headers),
+            ("header_not_utf8", value, [("dora.schema", b"\xff\xfe\x80")]),
+            ("unknown_schema", value, [("dora.schema", b"dora.NoSuchRecord")]),
+            ("unknown_fingerprint", value, [("dora.schema", name), ("dora.schema.fp", b"0123456789abcdef")])]
+
+
+FUZZED = ("dora.prompts", "dora.rollout.requests", "dora.rollout.tokens", "dora.rollout.trajectories",
+          "dora.rollout.scored", "dora.instances", "dora.policy.versions", "dora.train.batches", "dora.dlq",
+          "dora.metrics", "dora.schedule", "dora.runs", "dora.state")
+
+
+def _last_record(bootstrap: str, topic: str) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """The value and headers of a recent record of ``topic`` (any run): a valid record of its schema."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "fuzz-templates", "enable.auto.commit": False,
+                  "isolation.level": "read_committed"})
+    try:
+        for p in c.list_topics(topic, timeout=30).topics[topic].partitions:
+            low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            if high > low:
+                c.assign([TopicPartition(topic, p, max(low, high - 20))])
+                msgs = [m for m in c.consume(high - max(low, high - 20), 0.5)
+                        if m.error() is None and m.value() and m.headers()]
+                if msgs:
+                    return msgs[-1].value(), list(msgs[-1].headers())
+    finally:
+        c.close()
+    raise AssertionError(f"no record on {topic} to shape the injections on")
+
+
+def _trajectory(run_id: str, group: str, reward: float) -> object:
+    import numpy as np
+
+    from dora_rl.schemas.records import Trajectory
+
+    return Trajectory(run_id=run_id, trajectory_id=f"{run_id}/{group}/0", group_id=f"{run_id}/{group}",
+                      prompt_id=f"{run_id}/{group}", sample_index=0, group_size=CONFIG["group_size"],
+                      policy_version=0, task="reverse", reference="abc", prompt_ids=np.asarray([1, 5, 6], np.int32),
+                      response_ids=np.asarray([7, 8], np.int32),
+                      behaviour_logprobs=np.asarray([-1.0, -1.0], np.float32),
+                      response_text="xy", instance_id="rollout-0", instance_version=0, reward=reward)
+
+
+def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootstrap: str, dora_home: Path,
+                                                                           tmp_path: Path) -> None:
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.schemas.codec import DecodeError
+    from dora_rl.schemas.records import DeadLetter, PolicyVersion
+
+    cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
+    cfg.write_text(json.dumps(CONFIG))
+    runs = dora_home / "runs"
+    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
+    launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
+                                 "--config", str(cfg), "--json", str(out), "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    injected: list[tuple[str, int, int, str]] = []  # topic, partition, offset, kind
+    try:
+        wait_for(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
+                                               if d.name not in known), 120, "the roles")
+        run_id = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists()).name
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 1, 240, "a first step")
+        meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
+        producer = Producer({"bootstrap.servers": bootstrap, "message.max.bytes": 2_000_000})
+
+        def sent(kind: str) -> object:
+            def report(err: object, msg: object) -> None:
+                assert err is None, err
+                injected.append((msg.topic(), msg.partition(), msg.offset(), kind))  # type: ignore[attr-defined]
+            return report
+
+        rng = random.Random(0)
+        letter = DeadLetter(component="fuzz", reason="x", error_type="x", source_topic="t", source_partition=0,
+                            source_offset=0, ts_ms=0, run_id=run_id)
+        for topic in FUZZED:
+            template = letter.encode() if topic == topics.DLQ else _last_record(bootstrap, topic)
+            for p in _live_partitions(topic, len(meta[topic].partitions)):
+                for kind, value, headers in _garbage(template, rng):
+                    producer.produce(topic, value, b"fuzz", partition=p, headers=headers, on_delivery=sent(kind))
+        producer.produce(topics.SCORED, rng.randbytes(900_000), b"fuzz", partition=0, on_delivery=sent("oversize"))
+        nan = _trajectory(run_id, "fuzz-nan", math.nan)
+        no_holder = PolicyVersion(run_id=run_id, version=0, step=0, created_ms=0, transport="tcp", holders=(),
+                                  total_bytes=0, checksum_algo="sha256", tensors=(), buckets=())
+        queued, unknown = (DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
+                                      source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
+                           for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group"))
+        for rec, topic, kind in ((nan, topics.SCORED, "nan_reward"), (no_holder, topics.VERSIONS, "no_holder"),
+                                 (queued, topics.DLQ, "refusal_of_queued_group"),
+                                 (unknown, topics.DLQ, "refusal_of_unknown_group")):
+            value, headers = rec.encode()  # type: ignore[attr-defined]
+            producer.produce(topic, value, b"fuzz", partition=0, headers=headers, on_delivery=sent(kind))
+        assert producer.flush(30) == 0
+        assert launcher.poll() is None and steps_done(bootstrap, run_id) < CONFIG["steps"] - 2, \
+            "the records must arrive while the run trains"
+        code = launcher.wait(timeout=420)
+        text = launcher.stdout.read().decode() if launcher.stdout else ""
+        assert code == 0, text[-4000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert json.loads(out.read_text())["steps"] == CONFIG["steps"]
+    report = audit_run(bootstrap, run_id)
+    assert report.verdict == "PASS", report.render()
+
+    letters: dict[tuple[str, int, int], set[str]] = {}  # position -> the components that dead-lettered it
+    for msg in read_all(bootstrap, topics.DLQ, {}):
+        try:
+            d = DeadLetter.decode(msg.value(), msg.headers())
+        except DecodeError:
+            continue  # our own garbage on dora.dlq
+        if d.run_id == run_id:
+            letters.setdefault((d.source_topic, d.source_partition, d.source_offset), set()).add(d.component)
+    wrong = [(t, p, o, k, sorted(letters.get((t, p, o), ())), sorted(_readers(t, p, k))) for t, p, o, k in injected
+             if letters.get((t, p, o), set()) != _readers(t, p, k)]
+    assert not wrong, f"{len(wrong)} of {len(injected)} injected records lack a reader's dead letter: {wrong[:12]}"
+
+
+def _readers(topic: str, partition: int, kind: str) -> set[str]:
+    """The components that read ``topic`` live in this run, each owing one dead letter per injected record; a
+    trajectory with a NaN reward decodes (the orchestrator passes it by) and is refused by the assembler."""
+    if kind == "nan_reward":
+        return {"assembler"}
+    if kind.startswith("refusal_of"):
+        return set()  # a dead letter is read, not refused: the audit shows the group trained (nothing missing)
+    return {"dora.prompts": {"orchestrator"}, "dora.rollout.requests": {f"rollout-{partition}"},
+            "dora.rollout.tokens": {"orchestrator"}, "dora.rollout.trajectories": {"orchestrator", "scorer"},
+            "dora.rollout.scored": {"assembler", "orchestrator"}, "dora.instances": {"launcher", "orchestrator"},
+            "dora.policy.versions": {"orchestrator", "rollout-0", "rollout-1"},
+            "dora.train.batches": {"orchestrator", "trainer"}, "dora.dlq": {"orchestrator"},
+            "dora.metrics": {"launcher"}, "dora.schedule": {"assembler"}}.get(topic, set())
