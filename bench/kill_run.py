@@ -1,9 +1,11 @@
-"""bench/kill_run: one real ``dora-rl run`` with named roles SIGKILLed at given training steps, then the audit.
+"""bench/kill_run: one real ``dora-rl run`` with named roles signalled (SIGKILL unless named) at given training
+steps, then the audit.
 
 For the real-model check of the crash-proof issue: the default tiny-model workload (or any config),
 ``--kill trainer@10 --kill orchestrator@18`` kills each role once when that many steps are trained;
-the launcher restarts them. Writes the run's summary, the kills, the audit verdict and the versions'
-checksums (to show no reset) to ``bench/results/killrun-<timestamp>.json``.
+``--kill scorer-0@4:TERM`` sends SIGTERM instead (``TERM``, ``INT``, ``HUP``: a stop that is not a kill, after
+which the role hands its work back and the supervisor restarts it). Writes the run's summary, the signals sent,
+the audit verdict and the versions' checksums (to show no reset) to ``bench/results/killrun-<timestamp>.json``.
 
 Usage: ``python bench/kill_run.py --steps 30 --mode dora --max-staleness 1 --config F --kill trainer@10``.
 """
@@ -23,6 +25,15 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def parse_kill(spec: str) -> tuple[str, int, signal.Signals]:
+    """``ROLE@STEP[:SIGNAL]`` -> (role, step, signal); SIGKILL when no signal is named."""
+    role, _, rest = spec.partition("@")
+    at, _, name = rest.partition(":")
+    if not role or not at.isdigit():
+        raise SystemExit(f"--kill {spec!r}: expected ROLE@STEP[:SIGNAL], e.g. trainer@10:TERM")
+    return role, int(at), signal.Signals[f"SIG{name.upper()}"] if name else signal.SIGKILL
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from chaos import RunWatch
@@ -37,7 +48,7 @@ def main() -> None:
     from dora_rl.schemas.records import PolicyVersion
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kill", action="append", default=[], help="ROLE@STEP, e.g. trainer@10")
+    ap.add_argument("--kill", action="append", default=[], help="ROLE@STEP[:SIGNAL], e.g. trainer@10, dataset@3:TERM")
     ap.add_argument("--bootstrap-servers", default=None)
     args, run_args = ap.parse_known_args()
     measured_on = provenance()
@@ -52,14 +63,13 @@ def main() -> None:
     rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
     watch = RunWatch(bootstrap, rdir.name)
     kills: list[dict[str, Any]] = []
-    for spec in sorted(args.kill, key=lambda s: int(s.split("@")[1])):
-        role, at = spec.split("@")
-        while len(watch.steps) < int(at):
+    for role, at, sig in sorted(map(parse_kill, args.kill), key=lambda k: k[1]):
+        while len(watch.steps) < at:
             watch.poll()
         pid = json.loads((rdir / "pids.json").read_text())[role]
-        os.kill(pid, signal.SIGKILL)
-        kills.append({"role": role, "at_step": len(watch.steps), "pid": pid, "t_kill": time.time()})
-        print(f"killed {role} (pid {pid}) after {len(watch.steps)} steps", file=sys.stderr)
+        os.kill(pid, sig)
+        kills.append({"role": role, "at_step": len(watch.steps), "pid": pid, "signal": sig.name, "t_kill": time.time()})
+        print(f"sent {sig.name} to {role} (pid {pid}) after {len(watch.steps)} steps", file=sys.stderr)
     proc.wait()
     watch.close()
     summary = json.loads(out.read_text())

@@ -330,6 +330,12 @@ class DoraConfig:
         return self.mode in PARTIAL_MODES
 
     @property
+    def moves_work(self) -> bool:
+        """The orchestrator moves a leaving instance's work elsewhere (``dora`` and the partial modes); the wave
+        modes (``sync``, ``one_step_off``) leave it on the instance's request partition for its next start."""
+        return self.mode == "dora" or self.mixes_versions
+
+    @property
     def warmup_steps(self) -> int:
         """``sft_steps`` with its default resolved (150 for a ``tiny:`` model, else 0)."""
         if self.sft_steps is not None:

@@ -377,7 +377,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         if gen_thread is not None and gen_thread.is_alive():
             eng.abort(None)  # running requests come back as aborted partials (resumed elsewhere, C1)
             gen_thread.join(10)
-        if leaving:
+        if leaving and config.moves_work:  # waves: what is uncommitted runs again when this index restarts
             hand_back(inst, reader)
             inst.state = "STOPPED"  # the orchestrator moves whatever is still placed here at once
             inst.heartbeat(force=True)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -149,8 +150,9 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         text = launcher.stdout.read().decode() if launcher.stdout else ""
         assert code == 0, text[-4000:]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if launcher.poll() is None:  # a failure before the end: stop the run as a user would (no orphans)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=60)
     assert json.loads(out.read_text())["steps"] == CONFIG["steps"]
     report = audit_run(bootstrap, run_id)
     assert report.verdict == "PASS", report.render()
