@@ -242,6 +242,15 @@ def eval_summary(progress: Progress) -> dict[str, Any]:
     return out
 
 
+def run_notes(config: DoraConfig) -> list[str]:
+    """What a user should know before reading a run's figures (printed under its first line)."""
+    notes = []
+    if config.engine == "emulated":
+        notes.append("engine=emulated: responses are token ids with no text, so every reward is 0 and nothing is "
+                     "learned; its timing and scheduling are the product's (engine=torch or vllm to learn)")
+    return notes
+
+
 def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float, json_path: Path | None,
               quiet: bool, stall_timeout_s: float) -> dict[str, Any]:
     """Launch every role of ``info`` as a supervised process and follow the run to its end."""
@@ -255,6 +264,8 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     print(f"run {info.run_id}: mode={config.mode} steps={config.steps} bootstrap={bootstrap} logs={logs}",
           file=sys.stderr)
+    for note in run_notes(config):
+        print(f"note: {note}", file=sys.stderr)
     sup = Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, env, index))
     for role in ("dataset", "trainer", "scorer", "assembler", "orchestrator"):
         if role == "scorer" and config.reward_service == "external":  # an outside service scores (0022)
