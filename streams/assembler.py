@@ -103,6 +103,9 @@ class Assembler:
                 ctx.emit(topics.METRICS, m, f"{COMPONENT}/{name}")
             log.info("batch step %d: %d trajectories, staleness max %d", cut.train_step, len(ids), max(stale))
 
+    def held_back(self) -> frozenset[str]:
+        return frozenset()  # never: its inputs are bounded by what the run has in flight
+
     def snapshot(self) -> bytes:
         state = {"next_step": self.rules.next_step,
                  "plans": {str(k): list(v) for k, v in self.rules._plans.items()},

@@ -110,6 +110,9 @@ class DoraScheduler(Generic[P]):
     def add_prompt(self, group_id: str, prompt: P) -> None:
         self._prompts.append((group_id, prompt))
 
+    def queued_prompts(self) -> int:
+        return len(self._prompts)
+
     def on_version(self, version: int, now: float) -> None:
         if version > self.state.latest:
             self.state.latest = version

@@ -113,6 +113,7 @@ class KafkaDriver:
         self.ctx = Context(self._fetch_many, time.time)
         self.commits = 0
         self.restored_from: int | None = None
+        self._held: frozenset[str] = frozenset()
 
     def _fetch_many(self, refs: Iterable[Ref]) -> dict[Ref, Any]:
         need = [r for r in refs if r not in self._cache]
@@ -132,6 +133,7 @@ class KafkaDriver:
         self._cache.clear()
         resume_all_partitions(self.consumer, self.record_types, self.start_offsets,
                               f"{self.proc.name}: inputs and committed offsets")
+        self._hold_back()
         log.info("%s: %s in %.2fs", self.proc.name,
                  f"restored from commit {self.restored_from}" if snap is not None else "fresh start",
                  time.perf_counter() - t0)
@@ -161,7 +163,22 @@ class KafkaDriver:
                 continue
             self.proc.process(InRecord(topic, msg.partition() or 0, msg.offset() or 0, msg.key(), record), self.ctx)
         self.proc.punctuate(self.ctx.now(), self.ctx)
+        self._hold_back()
         return n
+
+    def _hold_back(self) -> None:
+        """Pause the partitions of the topics the processor holds back, resume those it no longer does."""
+        held = self.proc.held_back()
+        if held == self._held:
+            return
+        parts = self.consumer.assignment()
+        pause = [tp for tp in parts if tp.topic in held and tp.topic not in self._held]
+        resume = [tp for tp in parts if tp.topic in self._held and tp.topic not in held]
+        if pause:
+            self.consumer.pause(pause)
+        if resume:
+            self.consumer.resume(resume)
+        self._held = held
 
     def commit(self) -> None:
         """Outputs + snapshot + input positions in one transaction."""

@@ -68,6 +68,13 @@ def input_types(config: DoraConfig) -> dict[str, type[Record]]:
     return types
 
 
+def prompt_lookahead(config: DoraConfig) -> int:
+    """Prompts the orchestrator keeps queued ahead of dispatch: two rollout batches of groups, at least 16. A
+    dispatch round takes at most one rollout batch (RBS in flight) plus replacements of refused groups, and a
+    sync / one_step_off wave (TBS) is no larger, so the queue is never what holds dispatch back."""
+    return max(16, 2 * max(config.rollout_batch_size, config.train_batch_size) // config.group_size)
+
+
 class Orchestrator:
     """The orchestrator's logic (a processor; see the module docstring)."""
 
@@ -184,6 +191,12 @@ class Orchestrator:
     def done(self) -> bool:
         """Every trajectory dispatched and every step consumed."""
         return self.rules.done() and self.consumed_steps >= self.config.steps
+
+    def held_back(self) -> frozenset[str]:
+        """``dora.prompts`` while :func:`prompt_lookahead` prompts are queued: the rest of the dataset waits in
+        the log, so the snapshot (a reference per queued prompt) and the restore do not grow with it."""
+        full = self.rules.queued_prompts() >= prompt_lookahead(self.config)
+        return frozenset({topics.PROMPTS}) if full else frozenset()
 
     def snapshot(self) -> bytes:
         state = {"rules": dump_state(self.rules, self._dump), "consumed_steps": self.consumed_steps,

@@ -124,6 +124,11 @@ class Processor(Protocol):
         """Time passed (called after every poll, with or without input)."""
         ...
 
+    def held_back(self) -> frozenset[str]:
+        """Input topics not to read for now (back-pressure): the driver stops fetching them after this
+        punctuate and resumes once they leave the set, so what waits stays in the log, not in the state."""
+        ...
+
     def snapshot(self) -> bytes:
         """The whole state, small (references, not payloads)."""
         ...
@@ -141,17 +146,20 @@ class Processor(Protocol):
 class _Committed:
     outputs: list[OutRecord] = field(default_factory=list)
     snapshot: bytes | None = None
-    position: int = 0  # index of the next input record to feed
+    position: dict[str, int] = field(default_factory=dict)  # per topic: how many of its inputs were fed
 
 
 class MemoryDriver:
     """Runs a processor over a recorded input with commits, crashes and restores, in memory.
 
-    ``inputs`` is the whole input in log order; ``times[i]`` is the clock when record ``i`` is fed
-    (default ``i``). A commit happens after every ``commit_every`` records. :meth:`run` feeds
-    everything; ``crash_after=k`` discards what was emitted and consumed since the last commit once
-    ``k`` records were fed (the process died there), builds a fresh processor with ``factory``,
-    restores it from the committed snapshot and goes on from the committed position.
+    ``inputs`` is the whole input in log order; ``times[i]`` is the clock when record ``i`` is fed (default
+    ``i``; a record fed late is fed at the latest time already fed). The next record fed is the earliest one of a
+    topic the processor does not hold back (:meth:`Processor.held_back`, asked after every punctuate), so with
+    nothing held back the order is the log's. A commit happens after every ``commit_every`` records and at the
+    end. :meth:`run` feeds everything but what is held back once nothing else is left (a real driver would wait
+    until the processor wants it); ``crash_after=k`` discards what was emitted and consumed since the last
+    commit once ``k`` records were fed (the process died there), builds a fresh processor with ``factory``,
+    restores it from the committed snapshot and goes on from the committed positions.
     """
 
     def __init__(self, factory: Callable[[], Processor], inputs: Sequence[InRecord],
@@ -161,7 +169,10 @@ class MemoryDriver:
         self.times = list(times) if times is not None else [float(i) for i in range(len(self.inputs))]
         self.commit_every = max(1, commit_every)
         self.by_ref = {r.ref: r.record for r in self.inputs}
-        self.committed = _Committed()
+        self.by_topic: dict[str, list[int]] = {}
+        for i, r in enumerate(self.inputs):
+            self.by_topic.setdefault(r.topic, []).append(i)
+        self.committed = _Committed(position={t: 0 for t in self.by_topic})
         self.restores = 0
 
     def _fetch_many(self, refs: Iterable[Ref]) -> dict[Ref, Any]:
@@ -170,31 +181,52 @@ class MemoryDriver:
             raise LookupError(f"no record at {missing[:5]}")
         return self.by_ref
 
+    def _next(self, cursor: dict[str, int], held: frozenset[str]) -> str | None:
+        """The topic whose next record is fed now (see the class docstring), or None at the end."""
+        free = {t: self.by_topic[t][k] for t, k in cursor.items() if k < len(self.by_topic[t]) and t not in held}
+        return min(free, key=free.__getitem__) if free else None
+
+    def _clock_at(self, cursor: dict[str, int]) -> float:
+        """The clock once the records before ``cursor`` were fed: a record held back is fed at the time it
+        is let in, never back in time."""
+        return max((self.times[self.by_topic[t][k - 1]] for t, k in cursor.items() if k), default=0.0)
+
     def run(self, crash_after: Iterable[int] = ()) -> list[OutRecord]:
         """Feed every input; crash after each count in ``crash_after``; returns the committed outputs."""
         crashes = sorted(set(crash_after))
+        cursor = dict(self.committed.position)
         fed = 0
         proc, ctx = self._start()
-        while fed < len(self.inputs):
-            rec, now = self.inputs[fed], self.times[fed]
+        held = proc.held_back()  # a function of the state: the restored one holds back what the committed one did
+        while (topic := self._next(cursor, held)) is not None:
+            i = self.by_topic[topic][cursor[topic]]
+            rec, now = self.inputs[i], max(self.times[i], self._clock_at(cursor))
             ctx._clock = lambda now=now: now  # type: ignore[misc]
             ctx._wall_ms = lambda now=now: int(now * 1000)  # type: ignore[misc]
             proc.process(rec, ctx)
             proc.punctuate(now, ctx)
+            held = proc.held_back()
+            cursor[topic] += 1
             fed += 1
             if crashes and fed == crashes[0]:
                 crashes.pop(0)
                 proc.close()
                 ctx.take()  # uncommitted outputs are lost with the process
-                fed = self.committed.position
+                fed = sum(self.committed.position.values())
+                cursor = dict(self.committed.position)
                 proc, ctx = self._start()
+                held = proc.held_back()
                 continue
-            if fed % self.commit_every == 0 or fed == len(self.inputs):
-                self.committed.outputs.extend(ctx.take())
-                self.committed.snapshot = proc.snapshot()
-                self.committed.position = fed
+            if fed % self.commit_every == 0:
+                self._commit(proc, ctx, cursor)
+        self._commit(proc, ctx, cursor)
         proc.close()
         return list(self.committed.outputs)
+
+    def _commit(self, proc: Processor, ctx: Context, cursor: dict[str, int]) -> None:
+        self.committed.outputs.extend(ctx.take())
+        self.committed.snapshot = proc.snapshot()
+        self.committed.position = dict(cursor)
 
     def _start(self) -> tuple[Processor, Context]:
         ctx = Context(self._fetch_many, lambda: 0.0)

@@ -133,6 +133,9 @@ class Scorer:
         ctx.emit(topics.DLQ, letter, make_key(int(traj.policy_version), traj.group_id))
         log.warning("refused %s (group %s): %s", traj.trajectory_id, traj.group_id, reason)
 
+    def held_back(self) -> frozenset[str]:
+        return frozenset()  # never: its inputs are bounded by what the run has in flight
+
     def snapshot(self) -> bytes:
         return json.dumps({"scored": self.scored, "refused": self.refused, "metrics_at": self.metrics_at,
                            "emitted": list(self.emitted)}).encode()

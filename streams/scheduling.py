@@ -83,6 +83,10 @@ class SchedulingRules(Protocol[P]):
         """Queue a prompt (FIFO)."""
         ...
 
+    def queued_prompts(self) -> int:
+        """Prompts queued and not yet dispatched (the orchestrator reads more only below a bound)."""
+        ...
+
     def on_version(self, version: int, now: float) -> None:
         """Version ``version`` was announced at time ``now``."""
         ...
@@ -195,6 +199,9 @@ class Scheduler(Generic[P]):
     def add_prompt(self, group_id: str, prompt: P) -> None:
         """Queue a prompt (FIFO)."""
         self._prompts.append((group_id, prompt))
+
+    def queued_prompts(self) -> int:
+        return len(self._prompts)
 
     def on_version(self, version: int, now: float) -> None:
         """A policy version was announced."""

@@ -43,8 +43,9 @@ def _prompt(i: int) -> Prompt:
                   prompt_ids=np.asarray([5, 6, 7], dtype=np.int32), reference="ba")
 
 
-def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[float]]:
-    """Run the orchestrator uninterrupted in a closed loop; return the input it saw, with times."""
+def _record_world(config: DoraConfig, seed: int, extra_prompts: int = 0) -> tuple[list[InRecord], list[float]]:
+    """Run the orchestrator uninterrupted in a closed loop; return the input it saw, with times (``extra_prompts``
+    more than the run needs are in the dataset, all written at the start)."""
     rng = random.Random(seed)
     orch = Orchestrator(RUN, config)
     log: list[InRecord] = []
@@ -60,7 +61,7 @@ def _record_world(config: DoraConfig, seed: int) -> tuple[list[InRecord], list[f
     ctx = Context(lambda refs: {}, lambda: now[0], lambda: int(now[0] * 1000))
     now = [0.0]
     n_prompts = (config.steps * config.train_batch_size + config.rollout_batch_size) // config.group_size
-    for i in range(n_prompts):
+    for i in range(n_prompts + extra_prompts):
         push(0.0, topics.PROMPTS, _prompt(i))
     push(0.0, topics.VERSIONS, SimpleNamespace(version=0, holders=("h",)))
     elastic = config.mode in ELASTIC
@@ -256,3 +257,31 @@ def test_an_announcement_no_instance_can_load_is_refused_not_scheduled_for() -> 
     assert len(letters) == 1 and isinstance(letters[0], DeadLetter)
     assert (letters[0].source_topic, letters[0].source_partition, letters[0].source_offset) == (topics.VERSIONS, 1, 7)
     assert "no holder" in letters[0].reason
+
+
+def test_the_dataset_waits_in_the_log_so_snapshots_do_not_grow_with_it() -> None:
+    """The orchestrator holds ``dora.prompts`` back once ``prompt_lookahead`` prompts are queued: with 20x more
+    prompts in the dataset its snapshots are no larger (a reference per queued prompt), and crashes anywhere
+    still give the uninterrupted output."""
+    from dora_rl.streams.orchestrator import prompt_lookahead
+
+    config = _cfg("dora", 1)
+    sizes: dict[int, list[int]] = {}
+    for extra in (20, 400):
+        inputs, times = _record_world(config, 3, extra_prompts=extra)
+        seen: list[int] = []
+
+        class Measured(Orchestrator):
+            def snapshot(self, seen: list[int] = seen) -> bytes:
+                snap = super().snapshot()
+                seen.append(snap.count(b'"dora.prompts"'))  # its references into the prompts topic
+                return snap
+
+        clean = MemoryDriver(lambda: Measured(RUN, config), inputs, times).run()
+        sizes[extra] = seen
+        assert [p.train_step for p in (o.record for o in clean if o.topic == topics.SCHEDULE)] == list(range(5))
+        for k in (len(inputs) // 5, len(inputs) // 2):
+            crashed = MemoryDriver(lambda: Orchestrator(RUN, config), inputs, times, commit_every=3)
+            assert _wire(crashed.run(crash_after=[k])) == _wire(clean), f"crash after {k} changed the output"
+    limit = 2 * (prompt_lookahead(config) + config.rollout_batch_size // config.group_size)  # 2 refs a prompt
+    assert max(sizes[400]) <= limit and max(sizes[400]) == max(sizes[20]), (max(sizes[20]), max(sizes[400]))
