@@ -64,10 +64,24 @@ def topic_ends(bootstrap: str, names: list[str]) -> dict[tuple[str, int], int]:
         out = {}
         for t in names:
             for p in c.list_topics(t, timeout=30).topics[t].partitions:
-                out[(t, p)] = c.get_watermark_offsets(TopicPartition(t, p), timeout=30)[1]
+                out[(t, p)] = _end(c, TopicPartition(t, p))
         return out
     finally:
         c.close()
+
+
+def _end(consumer: Any, tp: Any) -> int:
+    """The partition's end offset; retried while a freshly created topic elects its leaders."""
+    from confluent_kafka import KafkaException
+
+    for attempt in range(30):
+        try:
+            return int(consumer.get_watermark_offsets(tp, timeout=30)[1])
+        except KafkaException:
+            if attempt == 29:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 def measure(bootstrap: str, n: int, seconds: float, hold_back: bool) -> dict[str, Any]:
