@@ -4,10 +4,10 @@
 For each dataset size ``n`` (a fresh run id each, on a real broker): ``n`` prompts are written to
 ``dora.prompts``; the orchestrator (its processor under the Kafka driver, dora mode, no version announced yet:
 nothing is dispatched, every prompt would wait in its queue) runs for ``--seconds``; then its newest committed
-snapshot is read back (bytes, and the prompts it references), and a fresh orchestrator is started on the same run
-(the restart: restore the snapshot, fetch the records it references, assign its inputs at the committed positions)
-and timed. ``--no-hold-back`` runs the orchestrator with the hold-back rule switched off, as it was before (its
-queue, so its snapshot, holds every prompt read).
+snapshot is read back (bytes, and the prompts it references), and a fresh orchestrator is started on the same
+run (the restart: restore the snapshot, fetch the records it references, assign its inputs at the committed
+positions) and timed, ``--repeats`` times (the median is reported). ``--no-hold-back`` runs the orchestrator with
+the hold-back rule switched off, as it was before (its queue, so its snapshot, holds every prompt read).
 
 Usage: ``python bench/orchestrator_snapshot.py [--sizes 10000 1000000] [--seconds 20] [--no-hold-back]``
 -> ``bench/results/orchestrator-snapshot-<time>.json``.
@@ -16,6 +16,7 @@ Usage: ``python bench/orchestrator_snapshot.py [--sizes 10000 1000000] [--second
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -84,7 +85,7 @@ def _end(consumer: Any, tp: Any) -> int:
     raise AssertionError("unreachable")
 
 
-def measure(bootstrap: str, n: int, seconds: float, hold_back: bool) -> dict[str, Any]:
+def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: int) -> dict[str, Any]:
     from dora_rl.config import DoraConfig
     from dora_rl.infra import topics
     from dora_rl.infra.snapshots import latest_snapshot
@@ -110,15 +111,17 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool) -> dict[str
     queued = driver.proc.rules.queued_prompts()  # type: ignore[attr-defined]
     snap = latest_snapshot(bootstrap, run_id, "orchestrator", since=start.get((topics.STATE, 0), 0))
     size = len(snap.state) if snap is not None else 0
-    t0 = time.perf_counter()
-    again = KafkaDriver(bootstrap, run_id, cls(run_id, config), types, start)
-    again.start()
-    restart_s = time.perf_counter() - t0
-    restored = again.proc.rules.queued_prompts()  # type: ignore[attr-defined]
-    again.consumer.close()
+    restarts, restored = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        again = KafkaDriver(bootstrap, run_id, cls(run_id, config), types, start)
+        again.start()
+        restarts.append(round(time.perf_counter() - t0, 3))
+        restored = again.proc.rules.queued_prompts()  # type: ignore[attr-defined]
+        again.consumer.close()
     row = {"dataset_prompts": n, "write_s": round(write_s, 1), "queued_prompts": queued,
-           "snapshot_bytes": size, "restart_s": round(restart_s, 3), "restored_queue": restored,
-           "hold_back": hold_back}
+           "snapshot_bytes": size, "restart_s": restarts, "restart_s_median": statistics.median(restarts),
+           "restored_queue": restored, "hold_back": hold_back}
     print(row, flush=True)
     return row
 
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
     ap.add_argument("--seconds", type=float, default=20.0, help="how long the orchestrator reads before the restart")
+    ap.add_argument("--repeats", type=int, default=5, help="restarts timed per size (the median is reported)")
     ap.add_argument("--no-hold-back", action="store_true", help="the orchestrator as before: every prompt queued")
     ap.add_argument("--bootstrap-servers", default=None)
     args = ap.parse_args(argv)
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         bootstrap = broker.bootstrap_servers
     try:
         prepare_topics(bootstrap, 4)
-        rows = [measure(bootstrap, n, args.seconds, not args.no_hold_back) for n in args.sizes]
+        rows = [measure(bootstrap, n, args.seconds, not args.no_hold_back, args.repeats) for n in args.sizes]
     finally:
         if broker is not None:
             broker.stop()

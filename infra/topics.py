@@ -118,6 +118,9 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("bench", "tool", "make bench-modes, bench/chaos.py, bench/kill_run.py, bench/real_modes.py",
           ("bench/modes.py", "bench/chaos.py", "bench/kill_run.py", "bench/real_modes.py"),
           "reads runs' figures back (chaos: kill times against each role's first new output)"),
+    Actor("bench-snapshot", "tool", "bench/orchestrator_snapshot.py", ("bench/orchestrator_snapshot.py",),
+          "writes a dataset of prompts and reads the orchestrator's snapshot back, on a broker of its own (not an "
+          "operator: no ACL is derived for it)"),
     Actor("bench-pipeline", "tool", "bench/pipeline.py", ("bench/pipeline.py",),
           "plays the rollout instances and the orchestrator's plans to time the real scorer and assembler, on "
           "a broker of its own (not an operator: no ACL is derived for it)"),
@@ -195,7 +198,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
     group = "v<policy_version:010d>/<group_id>"
     return (
         TopicSpec(PROMPTS, 1, "dora.v1.Prompt", "dataset prompts of a run, before dispatch, in dataset order",
-                  writers=("dataset",), readers=("orchestrator", "replay"),
+                  writers=("dataset", "bench-snapshot"), readers=("orchestrator", "replay"),
                   key="v-/<group_id>", partitioning="single", retention_ms=week,
                   notes="No version exists before dispatch, hence `v-` in the key. One partition, so the "
                         "orchestrator sees (and dispatches, FIFO) the prompts in dataset order p0, p1, ...: "
@@ -289,7 +292,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
         TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",
                   "roles' state: a stream processor's snapshot per commit, a rollout instance's tries",
                   writers=("orchestrator", "assembler", "scorer", "rollout"),
-                  readers=("orchestrator", "assembler", "scorer", "rollout", "bench"),
+                  readers=("orchestrator", "assembler", "scorer", "rollout", "bench", "bench-snapshot"),
                   key="<run_id>/<processor>", partitioning="single", retention_ms=None, cleanup="compact",
                   max_message_bytes=BATCH_MAX_BYTES,
                   notes="A processor's snapshot is written with its outputs and consumed offsets in one "
