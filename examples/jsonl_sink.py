@@ -57,9 +57,18 @@ def load_schema(directory: Path, filename: str) -> Any:
     return fastavro.parse_schema(json.loads((directory / filename).read_text()), named_schemas={})
 
 
-def decode(schema: Any, value: bytes) -> dict[str, Any]:
-    """Schemaless Avro body -> datum (records here are written with the current ``.avsc``)."""
-    return fastavro.schemaless_reader(io.BytesIO(value), schema, schema)
+def decode(schema: Any, value: bytes | None) -> dict[str, Any] | None:
+    """Schemaless Avro body -> datum (records here are written with the current ``.avsc``), or None for bytes that
+    are not one (anyone may write to a topic: such a record is passed over with a warning)."""
+    buf = io.BytesIO(value or b"")
+    try:
+        datum = fastavro.schemaless_reader(buf, schema, schema)
+        if buf.tell() == len(value or b"") and isinstance(datum, dict):
+            return datum
+    except Exception:  # fastavro raises many types on garbage
+        pass
+    print(f"passing over {len(value or b'')} bytes that are not a {schema['name']}", file=sys.stderr)
+    return None
 
 
 def run_record(base: dict[str, Any], schema: Any, run_id: str) -> dict[str, Any]:
@@ -74,7 +83,7 @@ def run_record(base: dict[str, Any], schema: Any, run_id: str) -> dict[str, Any]
                 if msg.error() is None:
                     position = (msg.offset() or 0) + 1
                     info = decode(schema, msg.value())
-                    if info["run_id"] == run_id and info["start_offsets"]:
+                    if info is not None and info["run_id"] == run_id and info["start_offsets"]:
                         found = info
         if found is None:
             raise SystemExit(f"run {run_id} is not recorded on {RUNS}")
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 at_end.discard(msg.partition())
                 datum = decode(trajectory, msg.value())
-                if datum["run_id"] == args.run_id:
+                if datum is not None and datum["run_id"] == args.run_id:
                     files[msg.partition()].write(json.dumps(row(datum, msg.partition(), msg.offset())) + "\n")
                     written += 1
             for fh in files.values():
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             for msg in runs.consume(100, 0):
                 if msg.error() is None:
                     rec = decode(run_info, msg.value())
-                    over = over or (rec["run_id"] == args.run_id and rec["state"] in ("FINISHED", "FAILED"))
+                    over = over or (rec is not None and rec["run_id"] == args.run_id
+                                    and rec["state"] in ("FINISHED", "FAILED"))
     finally:
         for fh in files.values():
             fh.close()

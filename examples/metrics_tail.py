@@ -44,8 +44,17 @@ def security_config(env: Any = os.environ) -> dict[str, Any]:
             "ssl.ca.location": env["DORA_KAFKA_SSL_CA_FILE"]}
 
 
-def decode(schema: Any, value: bytes) -> dict[str, Any]:
-    return fastavro.schemaless_reader(io.BytesIO(value), schema, schema)
+def decode(schema: Any, value: bytes | None) -> dict[str, Any] | None:
+    """The datum, or None for bytes that are not one (passed over with a warning: anyone may write to a topic)."""
+    buf = io.BytesIO(value or b"")
+    try:
+        datum = fastavro.schemaless_reader(buf, schema, schema)
+        if buf.tell() == len(value or b"") and isinstance(datum, dict):
+            return datum
+    except Exception:  # fastavro raises many types on garbage
+        pass
+    print(f"passing over {len(value or b'')} bytes that are not a {schema['name']}", file=sys.stderr)
+    return None
 
 
 def run_record(consumer: Consumer, schema: Any, run_id: str) -> dict[str, Any]:
@@ -58,7 +67,7 @@ def run_record(consumer: Consumer, schema: Any, run_id: str) -> dict[str, Any]:
             if msg.error() is None:
                 position = (msg.offset() or 0) + 1
                 info = decode(schema, msg.value())
-                if info["run_id"] == run_id and info["start_offsets"]:
+                if info is not None and info["run_id"] == run_id and info["start_offsets"]:
                     found = info
     if found is None:
         raise SystemExit(f"run {run_id} is not recorded on {RUNS}")
@@ -107,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 at_end.discard(msg.partition())
                 m = decode(metric, msg.value())
-                if m["run_id"] == args.run_id and args.component in (None, m["component"]) \
+                if m is not None and m["run_id"] == args.run_id and args.component in (None, m["component"]) \
                         and args.name in (None, m["name"]):
                     print(render(m, args.json), flush=True)
             for msg in runs.consume(100, 0):
                 if msg.error() is None:
                     rec = decode(run_info, msg.value())
-                    over = over or (rec["run_id"] == args.run_id and rec["state"] in ("FINISHED", "FAILED"))
+                    over = over or (rec is not None and rec["run_id"] == args.run_id
+                                    and rec["state"] in ("FINISHED", "FAILED"))
     except (KeyboardInterrupt, BrokenPipeError):
         pass
     finally:

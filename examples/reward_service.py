@@ -93,7 +93,10 @@ class Wire:
 
     def decode(self, name: str, value: bytes | None, headers: list[tuple[str, bytes]] | None) -> dict[str, Any]:
         """The datum, or ValueError with the reason (the caller dead-letters the record)."""
-        h = {k: v.decode() for k, v in headers or [] if v is not None}
+        try:
+            h = {k: v.decode() for k, v in headers or [] if v is not None}
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"a header is not UTF-8: {exc}") from exc
         if not value:
             raise ValueError(f"empty value where a {name} was expected")
         if h.get("dora.schema", self.full_name(name)) != self.full_name(name):
@@ -265,6 +268,17 @@ class RewardWorker:
 
 
 # -- the service --------------------------------------------------------------------------------------
+def _run_record(wire: Wire, msg: Any) -> dict[str, Any] | None:
+    """A record of ``dora.runs`` decoded, or None for one that is not a run record (passed over: anyone may
+    write bytes to a topic, and the compacted log keeps them)."""
+    try:
+        return wire.decode("RunInfo", msg.value(), msg.headers())
+    except ValueError as exc:
+        log.warning("passing over an undecodable record at %s[%s]@%s: %s", msg.topic(), msg.partition(),
+                    msg.offset(), exc)
+        return None
+
+
 def find_run(wire: Wire, base: dict[str, Any], run_id: str, wait_s: float) -> tuple[dict[str, Any], int]:
     """The run's latest record on ``dora.runs`` (compacted, one partition) and the end offset read."""
     consumer = Consumer({**base, "group.id": "dora-reader-reward-service", "enable.auto.commit": False})
@@ -279,8 +293,8 @@ def find_run(wire: Wire, base: dict[str, Any], run_id: str, wait_s: float) -> tu
                 for msg in consumer.consume(500, 0.5):
                     if msg.error() is None:
                         position, idle_until = (msg.offset() or 0) + 1, time.monotonic() + 10
-                        info = wire.decode("RunInfo", msg.value(), msg.headers())
-                        if info["run_id"] == run_id and info["start_offsets"]:
+                        info = _run_record(wire, msg)
+                        if info is not None and info["run_id"] == run_id and info["start_offsets"]:
                             found = info
             if found is not None:
                 return found, high
@@ -327,8 +341,8 @@ class RewardService:
     def _run_over(self) -> bool:
         for msg in self.runs.consume(100, 0):
             if msg.error() is None:
-                info = self.wire.decode("RunInfo", msg.value(), msg.headers())
-                if info["run_id"] == self.args.run_id and info["state"] in ("FINISHED", "FAILED"):
+                info = _run_record(self.wire, msg)
+                if info is not None and info["run_id"] == self.args.run_id and info["state"] in ("FINISHED", "FAILED"):
                     log.info("run %s is %s: exiting", self.args.run_id, info["state"])
                     return True
         return False

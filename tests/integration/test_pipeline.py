@@ -89,7 +89,12 @@ def test_audit_passes_for_the_sync_run(bootstrap: str, sync_run: dict[str, Any])
 
 def test_malformed_input_on_every_topic_is_dead_lettered(bootstrap: str, sync_run: dict[str, Any]) -> None:
     run_id = sync_run["run_id"]
-    letters = [DeadLetter.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.DLQ)]
+    letters = []
+    for m in read_all(bootstrap, topics.DLQ):
+        try:
+            letters.append(DeadLetter.decode(m.value(), m.headers()))
+        except codec.DecodeError:
+            continue  # garbage written to dora.dlq itself (test_fuzz_topics shares the broker)
     mine = [d for d in letters if d.run_id == run_id]
     by_topic = {d.source_topic for d in mine}
     assert set(INPUTS) <= by_topic, f"dead letters only for {by_topic}"
