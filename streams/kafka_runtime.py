@@ -61,6 +61,13 @@ from .processor import Context, InRecord, OutRecord, Processor, Ref
 log = logging.getLogger(__name__)
 
 
+REF_READS = {"fetch.max.bytes": 2 * 1024 * 1024, "max.partition.fetch.bytes": 2 * 1024 * 1024,
+             "queued.max.messages.kbytes": 4096}
+"""A reference fetch reads short ranges: fetches of 2 MiB (a larger record batch still comes whole, KIP-74) and
+little read-ahead. With the readers' 64 MiB fetches, restoring 500 prompt references read ahead through the whole
+dataset behind them: the restart grew with it (0.39 s at 10k prompts, 2.05 s at 1M)."""
+
+
 class RefFetcher:
     """Random-access reads of records by (topic, partition, offset), grouped per partition."""
 
@@ -75,7 +82,7 @@ class RefFetcher:
         out: dict[Ref, Any] = {}
         if not wanted:
             return out
-        consumer = Consumer(reader_config(self.bootstrap, f"dora-ref-reader-{now_ms()}"))
+        consumer = Consumer({**reader_config(self.bootstrap, f"dora-ref-reader-{now_ms()}"), **REF_READS})
         try:
             for (topic, partition), offsets in wanted.items():
                 tp = TopicPartition(topic, partition)
