@@ -19,9 +19,6 @@ The DORA / partial ratio's interval is a paired bootstrap over the reported seed
 seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost parameters as frozen in
 ``dora_rl/core/hardware_costs.py`` plus the KV move's cost (bytes over the network).
 
-A probe, not a mode: DORA ``consolidate`` on the colocated layout (its RBS and ``max_num_seqs`` swept, 4 settings),
-to show what colocating the product's roles would be worth in this model.
-
 Usage::
 
     python bench/scheduler.py [--gpus 128] [--tps 4 8]   # ~13 min (64, TP 4) on 2 cores
@@ -121,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     best_consolidate = max((st for st in grids["dora"] if st.repartition == "consolidate"),
                            key=lambda st: out["sweep"]["dora"][st.name])
     chosen["dora_consolidate"] = best_consolidate
-    out["probe"] = colocated_dora_probe(best_consolidate, w, eff)
     jobs = [(st, w, eff, s) for st in chosen.values() for s in REPORT]
     runs = run_many(jobs, workers=2)
     for k, (label, st) in enumerate(chosen.items()):
@@ -149,19 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def colocated_dora_probe(st: Setting, w: Workload, eff: Efficiencies) -> dict[str, Any]:
-    """DORA ``consolidate`` on the colocated layout (simulated only: the product cannot colocate its trainer
-    and instances): RBS 2 / 3 x ``max_num_seqs`` 128 / 256 at ``st``'s TP, chosen on seeds 0-2, run on 3-5."""
-    grid = [replace(st, rbs_factor=f, rollout_gpus=st.rollout_gpus + st.train_gpus,
-                    train_gpus=st.rollout_gpus + st.train_gpus, colocated=True, max_num_seqs=n)
-            for f in (2.0, 3.0) for n in (128, 256)]
-    runs = run_many([(g, w, eff, s) for g in grid for s in CHOOSE], workers=2)
-    means = [statistics.fmean(r["throughput"] for r in runs[i * len(CHOOSE):(i + 1) * len(CHOOSE)])
-             for i in range(len(grid))]
-    best = grid[max(range(len(grid)), key=means.__getitem__)]
-    return {"dora_colocated": summary(run_many([(best, w, eff, s) for s in REPORT], workers=2), best)}
-
-
 def ablation(st: Setting, w: Workload, eff: Efficiencies) -> dict[str, Any]:
     """``st`` (a ``consolidate`` setting) on the reported seeds with each rule off in turn."""
     out: dict[str, Any] = {}
@@ -178,7 +161,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {**out["modes"], **out.get("probe", {}), **{f"consolidate, {k}": v for k, v in out["ablation"].items()}}
+    rows = {**out["modes"], **{f"consolidate, {k}": v for k, v in out["ablation"].items()}}
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, (k, v) in enumerate(rows.items()):
         ax.bar(i, v["throughput_mean"], color="tab:blue" if k.startswith(("dora", "consolidate")) else "tab:gray")
