@@ -64,12 +64,13 @@ class ArchiveResult:
 
 
 def _belongs(raw: RawRecord, run_id: str) -> bool:
-    """Whether ``raw`` is a record of ``run_id`` (an undecodable one is kept: it was in the run's range)."""
+    """Whether ``raw`` is a record of ``run_id``. An undecodable one is kept when it lies in the run's range of its
+    topic (it is part of what the run read), but not on ``dora.runs``, which is read whole: there it is no run's."""
     cls = RECORDS[topics.spec(raw.topic).schema]
     try:
         record = cls.decode(raw.value, list(raw.headers))
     except DecodeError:
-        return True
+        return raw.topic != topics.RUNS
     return getattr(record, "run_id", run_id) == run_id
 
 
@@ -138,7 +139,10 @@ class ArchiveSource:
     def _read_info(self) -> RunInfo:
         info: RunInfo | None = None
         for raw in self.raw(topics.RUNS):
-            rec = RunInfo.decode(raw.value, list(raw.headers))
+            try:
+                rec = RunInfo.decode(raw.value, list(raw.headers))
+            except DecodeError:  # archives written before undecodable run records were left out
+                continue
             if info is not None and not rec.start_offsets:  # later records keep the STARTED one's offsets
                 rec = rec.replace(start_offsets=info.start_offsets)
             info = rec
