@@ -60,29 +60,17 @@ def topic_ends(bootstrap: str, names: list[str]) -> dict[tuple[str, int], int]:
     """The end offset of every partition of ``names``: a run that starts now reads from there."""
     from confluent_kafka import Consumer, TopicPartition
 
+    from dora_rl.infra.kafka_read import watermarks  # retries while a new topic elects its leaders
+
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-ends-{uuid.uuid4().hex[:6]}"})
     try:
         out = {}
         for t in names:
             for p in c.list_topics(t, timeout=30).topics[t].partitions:
-                out[(t, p)] = _end(c, TopicPartition(t, p))
+                out[(t, p)] = watermarks(c, TopicPartition(t, p), 30)[1]
         return out
     finally:
         c.close()
-
-
-def _end(consumer: Any, tp: Any) -> int:
-    """The partition's end offset; retried while a freshly created topic elects its leaders."""
-    from confluent_kafka import KafkaException
-
-    for attempt in range(30):
-        try:
-            return int(consumer.get_watermark_offsets(tp, timeout=30)[1])
-        except KafkaException:
-            if attempt == 29:
-                raise
-            time.sleep(1.0)
-    raise AssertionError("unreachable")
 
 
 def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: int) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, Record, TrainBatch, Trajectory
 
 from .batching import BatchAssembler
-from .processor import Context, InRecord, Ref
+from .processor import Context, InRecord, Ref, dead_letter_for
 
 log = logging.getLogger(__name__)
 COMPONENT = "assembler"
@@ -136,10 +136,8 @@ class Assembler:
                 traj: Trajectory) -> None:
         """A dead letter naming the trajectory's group: the orchestrator withdraws it and dispatches another."""
         self.refused += 1
-        letter = DeadLetter(component=COMPONENT, reason=reason, error_type=error_type, source_topic=rec.topic,
-                            source_partition=rec.partition, source_offset=rec.offset, ts_ms=ctx.wall_ms(),
-                            run_id=self.run_id, key=rec.key, value=value, group_id=traj.group_id,
-                            trajectory_id=traj.trajectory_id)
+        letter = dead_letter_for(rec, COMPONENT, self.run_id, reason, error_type, ctx.wall_ms(), value=value,
+                                 group_id=traj.group_id, trajectory_id=traj.trajectory_id)
         ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
 
 

@@ -49,7 +49,7 @@ from dora_rl.schemas.records import (
     Trajectory,
 )
 
-from .processor import Context, InRecord, Ref
+from .processor import Context, InRecord, Ref, dead_letter_for
 from .scheduler_state import dump_state, load_state, payloads
 from .scheduling import make_scheduler
 
@@ -107,10 +107,8 @@ class Orchestrator:
         elif rec.topic == topics.VERSIONS:
             problem = announcement_problem(r, check_manifest=False)
             if problem is not None:  # the instances refuse it too: no version to schedule for
-                ctx.emit(topics.DLQ, DeadLetter(component=COMPONENT, reason=problem, error_type="announcement",
-                                                source_topic=rec.topic, source_partition=rec.partition,
-                                                source_offset=rec.offset, ts_ms=ctx.wall_ms(), run_id=self.run_id,
-                                                key=rec.key), f"{rec.topic}/{rec.partition}/{rec.offset}")
+                letter = dead_letter_for(rec, COMPONENT, self.run_id, problem, "announcement", ctx.wall_ms())
+                ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
             else:
                 self.rules.on_version(int(r.version), ctx.now())
         elif rec.topic == topics.TRAJECTORIES:

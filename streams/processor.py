@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dora_rl.schemas.records import DeadLetter
+
 
 @dataclass(frozen=True)
 class Ref:
@@ -57,6 +59,15 @@ class InRecord:
     @property
     def ref(self) -> Ref:
         return Ref(self.topic, self.partition, self.offset)
+
+
+def dead_letter_for(rec: InRecord, component: str, run_id: str, reason: str, error_type: str, ts_ms: int,
+                    **extra: Any) -> DeadLetter:
+    """The dead letter of an input record a processor refuses: its position and key, the reason, and ``extra``
+    (the original value, the group it names, ...)."""
+    return DeadLetter(component=component, reason=reason, error_type=error_type, source_topic=rec.topic,
+                      source_partition=rec.partition, source_offset=rec.offset, ts_ms=ts_ms, run_id=run_id,
+                      key=rec.key, **extra)
 
 
 @dataclass(frozen=True)

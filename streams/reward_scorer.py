@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from dora_rl.core.rewards import RewardError, RewardRequest, RewardRunner
 from dora_rl.infra import topics
 from dora_rl.infra.keys import make_key, partition_for
-from dora_rl.schemas.records import DeadLetter, Metric, Trajectory
+from dora_rl.schemas.records import Metric, Trajectory
 
-from .processor import Context, InRecord
+from .processor import Context, InRecord, dead_letter_for
 
 log = logging.getLogger(__name__)
 COMPONENT = "scorer"
@@ -126,10 +126,9 @@ class Scorer:
         traj: Trajectory = rec.record
         self.refused += 1
         reason = f"no reward after {self.max_attempts} tries: {err.message}"
-        letter = DeadLetter(component=COMPONENT, reason=reason[:2000], error_type="reward", source_topic=rec.topic,
-                            source_partition=rec.partition, source_offset=rec.offset, ts_ms=ctx.wall_ms(),
-                            run_id=self.run_id, key=rec.key, value=traj.encode()[0], group_id=traj.group_id,
-                            trajectory_id=traj.trajectory_id, attempts=self.max_attempts)
+        letter = dead_letter_for(rec, COMPONENT, self.run_id, reason[:2000], "reward", ctx.wall_ms(),
+                                 value=traj.encode()[0], group_id=traj.group_id, trajectory_id=traj.trajectory_id,
+                                 attempts=self.max_attempts)
         ctx.emit(topics.DLQ, letter, make_key(int(traj.policy_version), traj.group_id))
         log.warning("refused %s (group %s): %s", traj.trajectory_id, traj.group_id, reason)
 

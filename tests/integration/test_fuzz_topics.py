@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import emulated_run, steps_done, wait_for
+from run_helpers import emulated_run, launch_run, steps_done, wait_for
 
 pytestmark = pytest.mark.broker
 
@@ -59,21 +56,16 @@ FUZZED = ("dora.prompts", "dora.rollout.requests", "dora.rollout.tokens", "dora.
 
 def _last_record(bootstrap: str, topic: str) -> tuple[bytes, list[tuple[str, bytes]]]:
     """The value and headers of a recent record of ``topic`` (any run): a valid record of its schema."""
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka.admin import AdminClient
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "fuzz-templates", "enable.auto.commit": False,
-                  "isolation.level": "read_committed"})
-    try:
-        for p in c.list_topics(topic, timeout=30).topics[topic].partitions:
-            low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                c.assign([TopicPartition(topic, p, max(low, high - 20))])
-                msgs = [m for m in c.consume(high - max(low, high - 20), 0.5)
-                        if m.error() is None and m.value() and m.headers()]
-                if msgs:
-                    return msgs[-1].value(), list(msgs[-1].headers())
-    finally:
-        c.close()
+    from dora_rl.infra.kafka_read import read_backwards
+
+    for p in AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=30).topics[topic].partitions:
+        for window in read_backwards(bootstrap, topic, p, window=20):
+            msgs = [m for m in window if m.value() and m.headers()]
+            if msgs:
+                return msgs[-1].value(), list(msgs[-1].headers())
+            break  # the newest window only
     raise AssertionError(f"no record on {topic} to shape the injections on")
 
 
@@ -101,18 +93,11 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import DeadLetter, PolicyVersion
 
-    cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
-    cfg.write_text(json.dumps(CONFIG))
-    runs = dora_home / "runs"
-    known = {d.name for d in runs.iterdir()} if runs.exists() else set()
-    launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
-                                 "--config", str(cfg), "--json", str(out), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    out = tmp_path / "summary.json"
+    launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, CONFIG, json_out=out)
+    run_id = rdir.name
     injected: list[tuple[str, int, int, str]] = []  # topic, partition, offset, kind
     try:
-        wait_for(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
-                                               if d.name not in known), 120, "the roles")
-        run_id = next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists()).name
         wait_for(lambda: steps_done(bootstrap, run_id) >= 1, 240, "a first step")
         meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
         producer = Producer({"bootstrap.servers": bootstrap, "message.max.bytes": 2_000_000})
