@@ -108,6 +108,9 @@ class Setting:
     """GPUs per rollout instance (``bench/paper_tp.py`` varies it; every other bench keeps the recipe's 4)."""
     hop_latency_s: float = 0.0
     """All-reduce hop latency; it changes nothing at ``tp == 4`` (``hardware_costs.step_overhead_s``)."""
+    keeps_kv: bool = False
+    """Colocated only: the instances keep their KV cache while the trainer holds their GPUs (an upper bound:
+    by default it is freed and work in flight is prefilled again, as verl's and Kimi's engines do)."""
     ablate: str = ""
     """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
     again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``pack_due``,
@@ -119,6 +122,7 @@ class Setting:
         policy = "" if self.repartition == "migrate" else f" {self.repartition}"
         tp = "" if self.tp == TP else f" tp={self.tp} hop={self.hop_latency_s * 1e6:g}us"
         off = f" {self.ablate}" if self.ablate else ""
+        off += " kv-kept" if self.keeps_kv else ""
         return (f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}"
                 f"{policy}{tp}{off}")
 
@@ -165,7 +169,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
                      switch_s=switch_seconds(H800, QWEN25_32B, setting.tp, colocated=setting.colocated),
-                     colocated=setting.colocated)
+                     colocated=setting.colocated, colocated_keeps_kv=setting.keeps_kv)
     except RuntimeError as exc:
         raise RuntimeError(f"{setting.name}, seed {seed}, {w.steps} steps: {exc}") from exc
     return figures(r, setting, w, n_inst)

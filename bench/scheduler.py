@@ -11,7 +11,9 @@ Sweeps of equal size (24 settings each, every one on seeds 0-2; the best mean is
   paused meanwhile; unfinished trajectories resume under the new weights): RBS 1 / 1.25 / 1.5 / 2 / 3 / 4 x TBS x
   ``max_num_seqs`` 64 / 128 / 192 / 256.
 
-The unbounded partial runs at the committed headline's choice, reported with its staleness. Then the chosen
+The unbounded partial runs at the committed headline's choice, reported with its staleness; the colocated
+choice also runs with its KV cache kept through training (``keeps_kv``, an upper bound: the sweep's colocated
+frees it, as verl and Kimi do). Then the chosen
 settings run on seeds 3-5, and DORA's ``consolidate`` choice with each rule switched in turn: KV moves off (the
 engine re-prefills), KV-aware packing off (``instance_kv_tokens = 0``: packing counts the engine's slots),
 levelling off, the due version packed, and KV-capped admission on (off by default, decision 0048).
@@ -114,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         out["sweep"][label] = means
         chosen[label] = max(grid, key=lambda st: means[st.name])
         print(f"{label}: chose {chosen[label].name} ({means[chosen[label].name]:.0f} tok/s on seeds 0-2)", flush=True)
+        save_partial(out)
     chosen["partial_unbounded"] = unbounded_choice(gpus)
     best_consolidate = max((st for st in grids["dora"] if st.repartition == "consolidate"),
                            key=lambda st: out["sweep"]["dora"][st.name])
     chosen["dora_consolidate"] = best_consolidate
+    chosen["colocated_kv_kept"] = replace(chosen["colocated"], keeps_kv=True)
     jobs = [(st, w, eff, s) for st in chosen.values() for s in REPORT]
     runs = run_many(jobs, workers=2)
     for k, (label, st) in enumerate(chosen.items()):
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                      "dora_fraction_of_bound": mean["dora"] / out["bound"]["tokens_per_s"],
                      "dora_vs_colocated": mean["dora"] / mean["colocated"],
                      "dora_vs_colocated_interval": paired_ratio_interval(thr["dora"], thr["colocated"]),
+                     "dora_vs_colocated_kv_kept": mean["dora"] / mean["colocated_kv_kept"],
+                     "colocated_fraction_of_bound": mean["colocated"] / out["bound"]["tokens_per_s"],
                      "consolidate_vs_partial": mean["dora_consolidate"] / mean["partial"],
                      "consolidate_vs_partial_interval": paired_ratio_interval(thr["dora_consolidate"],
                                                                               thr["partial"])}
@@ -143,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
                       "ablation": {k: round(v["throughput_mean"]) for k, v in out["ablation"].items()},
                       "ratios": out["ratios"], "file": str(path)}, indent=1))
     return 0
+
+
+def save_partial(out: dict[str, Any]) -> None:
+    """The sweeps so far, so a crash later in a long run loses none of them (overwritten at each sweep)."""
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"scheduler-{out['gpus']}-partial.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"sweeps so far: {path}", flush=True)
 
 
 def ablation(st: Setting, w: Workload, eff: Efficiencies) -> dict[str, Any]:

@@ -14,7 +14,10 @@ run unchanged; only the world around them is simulated on a virtual clock:
   fixed, so its progress is advanced in closed form (:func:`decode_steps_within`), not step by step;
 - **trainer**: takes batch ``k`` when it is cut and idle, spends :func:`modelled_train_s` (``train_s_fixed +
   train_s_per_token * (prompt + response tokens)``, the real trainer's modelled time too), then publishes
-  version ``k + 1`` (``colocated``: the instances share its GPUs and pause while it trains);
+  version ``k + 1`` (``colocated``: the instances share its GPUs and pause while it trains, their KV cache
+  freed for the trainer's memory unless ``colocated_keeps_kv``);
+- **orchestrator**: its rules run at every event and on a timer every ``tick_s`` (the real orchestrator's
+  punctuate runs once per poll, whether or not a record arrived), so a timed rule fires in an idle gap;
 - **migration**: a cancelled trajectory's tokens so far move to an instance of the same version.
 
 Where the time goes (instance-seconds, :class:`LostTime`): decoding (its empty slots are the
@@ -50,6 +53,9 @@ from dora_rl.core.instance_policy import next_version, startable
 
 from .batching import BatchAssembler
 from .scheduling import SchedulingRules, make_scheduler
+
+STALL_TICKS = 10_000
+"""Timer ticks in a row with no other event after which a run is declared stalled (an error)."""
 
 
 @dataclass
@@ -216,7 +222,8 @@ class _Instance:
 
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
              train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
-             max_events: int | None = None, group_prefix: str = "g", colocated: bool = False) -> SimResult:
+             max_events: int | None = None, group_prefix: str = "g", colocated: bool = False,
+             colocated_keeps_kv: bool = False, tick_s: float = 1.0) -> SimResult:
     """Run ``config`` on the virtual clock; returns figures and the invariant counters.
 
     ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it).
@@ -224,7 +231,11 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     Group ``i`` is ``f"{group_prefix}{i}"``: with a real run's prefix (``"<run id>/p"``, the dataset role's
     ids) every request draws the same emulated length as in that run (lengths hash the request id).
     ``colocated``: the trainer shares the instances' GPUs (the Kimi-style layout), so every instance pauses
-    while a step trains: work in progress, a prefill included, resumes when the step ends."""
+    while a step trains: work in progress, a prefill included, resumes when the step ends. Its sequences' KV
+    cache is freed for the trainer (verl's and Kimi's engines release it while the trainer holds the GPUs),
+    so each resumes with a re-prefill of its context; ``colocated_keeps_kv`` keeps it resident instead (no
+    real 32B setup has the memory for both: a favourable upper bound). ``tick_s``: the orchestrator's
+    punctuate period (the rules also run at every event)."""
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
@@ -350,10 +361,25 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             start(inst, tr, now)
 
     def pause(inst: _Instance, now: float, dur: float) -> None:
-        """Hold ``inst`` still for ``[now, now + dur)``: its clock moves past the pause (not counted as use)."""
+        """Hold ``inst`` still for ``[now, now + dur)``: its clock moves past the pause (not counted as use).
+        Unless ``colocated_keeps_kv``, its active sequences lose their KV and queue first, in order, to be
+        prefilled again when the pause ends (``resume_paused``)."""
         inst.advance(now, sched.instance_state(inst.index, inst.version))
+        if not colocated_keeps_kv:
+            for tid in reversed(list(inst.active)):
+                tr = inst.remove(tid)
+                assert tr is not None
+                tr.kv_held = False
+                inst.queue.setdefault(tr.version, deque()).appendleft(tr)
         inst.t = (inst.t if inst.active or inst.t > now else now) + dur
         schedule(inst)
+
+    def resume_paused(now: float) -> None:
+        """After a colocated step: every instance starts its queued work again (nothing else wakes an
+        instance whose sequences were all put back to its queue)."""
+        for inst in insts:
+            drain(inst, now)
+            schedule(inst)
 
     def try_train(now: float) -> None:
         nonlocal trainer_free_at, trainer_busy, trained
@@ -380,7 +406,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             push(trainer_free_at, "version", cut.train_step + 1)
 
     orchestrate(now)
-    n_events = 0
+    push(tick_s, "timer", None)
+    n_events = idle_ticks = 0
     limit = max_events or max(2_000_000, 100 * config.steps * config.train_batch_size)
     while events and len(step_end) < config.steps:
         n_events += 1
@@ -407,6 +434,16 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         elif kind == "version":
             step_end.append(now)
             sched.on_version(int(data), now)
+            if colocated:
+                resume_paused(now)
+        elif kind == "timer":
+            idle_ticks += 1
+            if idle_ticks > STALL_TICKS:
+                raise RuntimeError(f"simulation stalled: nothing happened for {STALL_TICKS} ticks at step "
+                                   f"{len(step_end)}, t={now:.0f}: {sched.describe()[:400]}")
+            push(now + tick_s, "timer", None)
+        if kind != "timer":
+            idle_ticks = 0
         orchestrate(now)
         try_train(now)
     mixed = sum(1 for tr in trajs.values() if len(tr.versions) > 1)

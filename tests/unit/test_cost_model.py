@@ -3,6 +3,8 @@ closed-form advance, checked against step-by-step arithmetic; and the invariants
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dora_rl.config import DoraConfig
@@ -151,3 +153,54 @@ def test_colocated_instances_pause_while_the_trainer_holds_their_gpus() -> None:
     assert together.lost.idle_s >= 4 * together.trainer_busy_s * (1 - 1e-9)
     assert apart.lost.idle_s < 4 * apart.trainer_busy_s, "disaggregated, instances decode while it trains"
     assert together.wall_s > apart.wall_s
+
+
+def test_colocated_pause_frees_the_kv_cache_so_work_in_flight_is_prefilled_again() -> None:
+    """The trainer needs the GPUs' memory: at each colocated step the instances' sequences lose their KV and
+    resume with a re-prefill of their context (``colocated_keeps_kv`` keeps it, an upper bound); nothing is
+    lost either way."""
+    p = EmulatedParams(time_scale=0.0, seed=2, kv_s_per_token=1e-7, prefill_s_per_token=1e-4)
+    runs = {keep: simulate(_cfg("partial", 2, 64), p, train_s_fixed=2.0, colocated=True, colocated_keeps_kv=keep)
+            for keep in (True, False)}
+    for r in runs.values():
+        assert r.steps == 6 and r.batch_sizes == [32] * 6 and r.refused == 0
+    assert runs[False].lost.reprefill_s > runs[True].lost.reprefill_s
+    assert runs[False].lost.preemptions == runs[True].lost.preemptions, "a pause is not a KV-overflow preemption"
+
+
+def test_the_rules_run_on_a_timer_as_the_orchestrators_punctuate_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timed rule (a re-partition every ``repartition_s``) must fire in an idle gap, such as every instance
+    having finished its work while a long step trains: the rules tick at least every ``tick_s``."""
+    import dora_rl.streams.simulator as simulator
+
+    ticks: list[float] = []
+    real = simulator.make_scheduler
+
+    def recording(config: DoraConfig):  # type: ignore[no-untyped-def]
+        sched = real(config)
+        tick = sched.tick
+        monkeypatch.setattr(sched, "tick", lambda now: (ticks.append(now), tick(now))[1])
+        return sched
+
+    monkeypatch.setattr(simulator, "make_scheduler", recording)
+    p = EmulatedParams(time_scale=0.0, seed=1, kv_s_per_token=1e-7)
+    r = simulate(_cfg("dora", 2, 64), p, train_s_fixed=50.0, tick_s=0.5)
+    assert r.steps == 6
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert ticks[-1] >= r.wall_s - 0.5 and max(gaps) <= 0.5 + 1e-9
+
+
+def test_a_run_where_nothing_can_happen_is_an_error_not_a_silent_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rules that never dispatch: only the timer ticks, and the run stops with an error naming the stall."""
+    import dora_rl.streams.simulator as simulator
+
+    real = simulator.make_scheduler
+
+    def idle(config: DoraConfig):  # type: ignore[no-untyped-def]
+        sched = real(config)
+        monkeypatch.setattr(sched, "dispatch", lambda: [])
+        return sched
+
+    monkeypatch.setattr(simulator, "make_scheduler", idle)
+    with pytest.raises(RuntimeError, match="stalled"):
+        simulate(_cfg("dora", 2, 64), EmulatedParams(time_scale=0.0))
