@@ -37,51 +37,29 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import modelled_train_s
-from dora_rl.core.training_input import trajectory_problem
 from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
 from dora_rl.infra.keys import make_key
-from dora_rl.infra.weight_sync import Publisher
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
 from . import checkpoint
 from .evaluate import evaluate
 from .ranks import TrainerRanks
-from .step import build_state, precision, train_step
+from .session import Refuse, Skip, start_session
+from .step import precision, train_step
 
 log = logging.getLogger(__name__)
 COMPONENT = "trainer"
-
-
-def validate_batch(batch: TrainBatch, config: DoraConfig, vocab: int | None = None) -> str | None:
-    """Why ``batch`` must be refused, or None when it is valid: its size, C3, and every trajectory trainable
-    (:func:`~dora_rl.core.training_input.trajectory_problem`, token ids below ``vocab`` when given)."""
-    if len(batch.trajectories) != config.train_batch_size:
-        return f"batch has {len(batch.trajectories)} trajectories, expected {config.train_batch_size}"
-    bad = config.staleness_bound.violations(batch.base_version, (t.policy_version for t in batch.trajectories))
-    if bad:
-        return (f"{len(bad)} trajectories with staleness {min(bad)}..{max(bad)} outside "
-                f"[0, {config.max_staleness}] (C3)")
-    for t in batch.trajectories:
-        problem = trajectory_problem(t.prompt_ids, t.response_ids, t.behaviour_logprobs, t.reward, t.token_versions,
-                                     vocab)
-        if problem is not None:
-            return f"trajectory {t.trajectory_id}: {problem}"
-    return None
 
 
 def pad_to_modelled_time(batch: TrainBatch, config: DoraConfig, spent_s: float) -> float | None:
@@ -119,26 +97,18 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 run_dir: Path, token: str | None = None, stop: Callable[[], bool] = lambda: False) -> None:
     """Train until ``config.steps`` versions exist (or ``stop()``), announcing each version."""
     from dora_rl.core.tasks import get_task
-    from dora_rl.modeling import state_dict_for_transfer
     from dora_rl.prompt_source import heldout_prompts
 
     from .sft import sft_warmup
 
-    torch.set_num_threads(1)
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
     producer = RecordProducer(bootstrap, f"{COMPONENT}-{run_id}", **{"transactional.id": f"dora.{run_id}.trainer"})
     producer.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
-    state = build_state(config, device="cpu" if config.trainer_ranks > 1 else None)  # N ranks: rank 0's plain copy
+    session = start_session(config, run_id, run_dir, token or secrets.token_hex(16),
+                            f"{os.getpid()}-{secrets.token_hex(3)}")
+    state, publisher = session.state, session.publisher
     model, tok, optimizer, lr_schedule = state.model, state.tokenizer, state.optimizer, state.lr_schedule
-    publisher = Publisher(config.weight_transport, run_id, run_dir, token or secrets.token_hex(16),
-                          keep=config.max_staleness + 2)
-    ckpt_root = run_dir / "trainer-state"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    incarnation = f"{os.getpid()}-{secrets.token_hex(3)}"
-    S = config.max_staleness
 
     @contextmanager
     def transaction() -> Iterator[None]:
@@ -149,13 +119,6 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
             producer.raw.abort_transaction(30)
             raise
         producer.raw.commit_transaction(60)
-
-    def announce(version: int, stats: dict[str, float]) -> None:
-        """Checkpoint ``version`` durably, then publish it (the caller's transaction announces it)."""
-        path = checkpoint.save(ckpt_root, version, incarnation, model, optimizer, lr_schedule, version)
-        ann = publisher.publish(version, version, state_dict_for_transfer(model), stats, checkpoint_uri=str(path))
-        producer.send(topics.VERSIONS, ann, make_key(version, "policy"))
-        checkpoint.prune(ckpt_root, version - S - 1)
 
     heldout = heldout_prompts(config) if config.eval_every > 0 else []
 
@@ -182,8 +145,11 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
 
     announced = trainer_announcements(bootstrap, run_id, start_offsets, lambda oldest: oldest <= 0)
     if announced:
-        step = restore(announced, model, optimizer, lr_schedule, publisher, producer, S)
-        with transaction():
+        again = session.restore(announced)
+        step = session.step
+        with transaction():  # every live version served again by this incarnation
+            for ann in again:
+                producer.send(topics.VERSIONS, ann, make_key(ann.version, "policy"))
             metrics.emit("restored", step, version=step)
         log.info("restored at version %d from %s", step, announced[step].checkpoint_uri)
     else:
@@ -198,7 +164,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         with transaction():
             for name, value in warmup.items():
                 metrics.emit(name, value)
-            announce(0, {})
+            first = session.announce(0, {})
+            producer.send(topics.VERSIONS, first, make_key(0, "policy"))
             metrics.emit("version_published", 0, version=0)
         keep_for_replay(0)
         evaluate_if_due(0)
@@ -213,6 +180,16 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     try:
         if config.trainer_ranks > 1:
             ranks = TrainerRanks.start(config, state)
+        modelled_wait: list[float | None] = [None]
+
+        def update(b: TrainBatch) -> dict[str, float]:
+            """One policy update, then the modelled step time waited out (emulated benches)."""
+            started = time.perf_counter()
+            stats = train_step(state, b, config) if ranks is None else ranks.train_step(b)
+            crash_point("trainer.after_update")
+            modelled_wait[0] = pad_to_modelled_time(b, config, time.perf_counter() - started)
+            return stats
+
         wait_started = time.perf_counter()
         while step < config.steps and not stop():
             refused = undecodable.count
@@ -221,31 +198,24 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 undecodable.producer.flush()
             for env in envelopes:
                 batch: TrainBatch = env.record
-                if batch.train_step < step:
-                    log.info("skipping batch %s: step %d is trained already", batch.batch_id, batch.train_step)
+                verdict = session.check(batch)
+                if isinstance(verdict, Skip):
+                    log.info("skipping batch %s: %s", batch.batch_id, verdict.reason)
                     continue
-                if batch.train_step > step:
+                if isinstance(verdict, Refuse):
                     with transaction():
-                        dlq.refuse(env, f"batch for step {batch.train_step} arrived while expecting {step}",
-                                   "order", value=batch.encode()[0])
-                        consumer.commit_in_transaction(producer.raw)
-                    continue
-                reason = validate_batch(batch, config, vocab=getattr(model.config, "vocab_size", None))
-                if reason is not None:
-                    with transaction():
-                        dlq.refuse(env, reason, "batch", value=batch.encode()[0])
+                        dlq.refuse(env, verdict.reason, verdict.kind, value=batch.encode()[0])
                         consumer.commit_in_transaction(producer.raw)
                     continue
                 waited = time.perf_counter() - wait_started
                 idle_s += waited
                 t0 = time.perf_counter()
-                stats = train_step(state, batch, config) if ranks is None else ranks.train_step(batch)
-                crash_point("trainer.after_update")
-                modelled_wait = pad_to_modelled_time(batch, config, time.perf_counter() - t0)
+                trained = session.train(batch, update)
+                stats = trained.stats
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
                 with transaction():  # the version, its metrics and the consumed batch: all or nothing
-                    announce(step + 1, stats)
+                    producer.send(topics.VERSIONS, trained.announcement, make_key(step + 1, "policy"))
                     for name in ("reward_mean", "loss", "trained_tokens", "clip_frac", "approx_kl",
                                  "staleness_max", "response_len_mean", "tis_weight_mean", "logprob_diff_mean",
                                  "logprob_diff_max", "update_tokens_per_s", "mfu", "micro_tokens", "mixed_version"):
@@ -253,8 +223,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                             metrics.emit(name, stats[name], step=step, version=step + 1)
                     metrics.emit("train_s", step_s, step=step)
                     metrics.emit("wait_s", waited, step=step)
-                    if modelled_wait is not None:
-                        metrics.emit("modelled_wait_s", modelled_wait, step=step)
+                    if modelled_wait[0] is not None:
+                        metrics.emit("modelled_wait_s", modelled_wait[0], step=step)
                     metrics.emit("idle_ratio", idle_s / max(idle_s + busy_s, 1e-9), step=step)
                     consumer.commit_in_transaction(producer.raw)
                     crash_point("trainer.before_commit")
@@ -290,31 +260,3 @@ def record_finished(bootstrap: str, run_id: str, step: int) -> None:
     if info.state == "STARTED":
         finish_run(bootstrap, info, json.dumps({"steps": step, "recorded_by": COMPONENT}))
         log.info("run %s recorded FINISHED at step %d", run_id, step)
-
-
-def restore(announced: dict[int, PolicyVersion], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            lr_schedule: Any, publisher: Publisher, producer: RecordProducer, max_staleness: int) -> int:
-    """Restart: serve every live version again from its checkpoint (checked against its announced
-    checksums, re-announced as a holder), and leave the newest loaded with its optimizer state."""
-    from dora_rl.modeling import state_dict_for_transfer
-
-    latest = max(announced)
-    live = [v for v in range(max(0, latest - max_staleness), latest + 1) if v in announced]
-    producer.raw.begin_transaction()
-    for v in live:
-        uri = announced[v].checkpoint_uri
-        if uri is None:
-            raise RuntimeError(f"version {v} was announced without a checkpoint: cannot restart this run")
-        checkpoint.load_weights_only(Path(uri), model)
-        again = publisher.publish(v, v, state_dict_for_transfer(model), checkpoint_uri=uri,
-                                  announced_by=PolicyVersion.HOLDER)
-        if [b.checksum for b in again.buckets] != [b.checksum for b in announced[v].buckets]:
-            producer.raw.abort_transaction(30)
-            raise RuntimeError(f"checkpoint {uri} does not hold the weights announced as version {v}")
-        producer.send(topics.VERSIONS, again, make_key(v, "policy"))
-    producer.raw.commit_transaction(60)
-    step = checkpoint.load(Path(str(announced[latest].checkpoint_uri)), model, optimizer, lr_schedule)
-    if step != latest:
-        raise RuntimeError(f"checkpoint of version {latest} says step {step}")
-    return step
-

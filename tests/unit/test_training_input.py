@@ -47,7 +47,7 @@ def test_no_optimizer_step_on_a_non_finite_loss(tmp_path: Path) -> None:
 
 def test_trainer_refuses_a_batch_with_a_token_outside_its_vocabulary() -> None:
     from dora_rl.config import DoraConfig
-    from dora_rl.consumers.trainer.role import validate_batch
+    from dora_rl.consumers.trainer.session import validate_batch
     from dora_rl.schemas.records import TrainBatch, Trajectory
 
     def traj(i: int, response: list[int]) -> Trajectory:
