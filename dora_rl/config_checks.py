@@ -19,7 +19,7 @@ AT_LEAST: dict[str, float] = {
     "max_staleness": 0, "steps": 1, "train_batch_size": 1, "rollout_batch_size": 1, "group_size": 2,
     "num_instances": 1, "max_instances": 0, "instance_concurrency": 1, "max_new_tokens": 1, "gym_size": 1,
     "heldout": 0, "eval_every": 0, "eval_prompts": 1, "max_attempts": 1, "sft_steps": 0, "micro_tokens": 0,
-    "trainer_ranks": 1, "lr_warmup_steps": 0, "ppo_epochs": 1, "minibatches": 1, "num_partitions": 1,
+    "vocab_size": 0, "trainer_ranks": 1, "lr_warmup_steps": 0, "ppo_epochs": 1, "minibatches": 1, "num_partitions": 1,
     "checkpoint_every": 1, "modelled_train_s_fixed": 0.0, "modelled_train_s_per_token": 0.0,
 }
 """Inclusive lower bounds (``group_size`` >= 2: a group of one has advantage 0, so nothing would be learned)."""

@@ -166,10 +166,26 @@ def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tup
     (config and start offsets: what every role on any host joins from), and the weight-channel token
     in ``<run dir>/weight-token`` (mode 0600; never on a topic). Returns the run and the token file."""
     prepare_topics(bootstrap, config.num_partitions, config.instance_limit)
+    config = with_vocab_size(config)
     info = start_run(bootstrap, config, run_id)
     rdir = run_dir(info.run_id)
     (rdir / "config.json").write_text(config.to_json())
     return info, weight_token_file(rdir)
+
+
+def with_vocab_size(config: DoraConfig) -> DoraConfig:
+    """``config`` with ``vocab_size`` read from its model when unset and the model is on this host (else a
+    warning: the trainer alone then checks token ids, and refuses a whole batch for one bad trajectory)."""
+    from dora_rl.policy_source import model_vocab_size
+
+    if config.vocab_size:
+        return config
+    vocab = model_vocab_size(config.model, config.seed)
+    if vocab is None:
+        log.warning("model %s is not on this host: vocab_size unknown, so the assembler cannot refuse a token id "
+                    "outside the vocabulary (set vocab_size in the config)", config.model)
+        return config
+    return dataclasses.replace(config, vocab_size=vocab)
 
 
 def weight_token_file(rdir: Path) -> Path:

@@ -45,3 +45,14 @@ def resolve_model(spec: str, seed: int = 0) -> Path:
         raise FileNotFoundError(f"model {spec!r}: no config.json in {path} (expected tiny:<size>, smollm2, "
                                 "or a local Hugging Face model folder)")
     return path
+
+
+def model_vocab_size(spec: str, seed: int = 0) -> int | None:
+    """The vocabulary size in ``spec``'s ``config.json`` (a ``tiny:`` or ``smollm2`` model is built first), or
+    None when ``spec`` is a path that does not exist on this host (the model lives only where the trainer
+    and the engines run)."""
+    import json
+
+    if not (spec.startswith("tiny:") or spec == "smollm2" or (Path(spec).expanduser() / "config.json").exists()):
+        return None
+    return int(json.loads((resolve_model(spec, seed) / "config.json").read_text())["vocab_size"])

@@ -68,7 +68,7 @@ class Assembler:
             return
         traj: Trajectory = rec.record
         problem = trajectory_problem(traj.prompt_ids, traj.response_ids, traj.behaviour_logprobs, traj.reward,
-                                     traj.token_versions)
+                                     traj.token_versions, self.config.vocab_size or None)
         if problem is not None:  # an external scorer may write anything: its group is refused and replaced
             self._refuse(ctx, rec, f"untrainable trajectory {traj.trajectory_id}: {problem}", "input",
                          traj.encode()[0], traj)

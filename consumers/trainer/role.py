@@ -76,9 +76,10 @@ def pad_to_modelled_time(batch: TrainBatch, config: DoraConfig, spent_s: float) 
 
 
 def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, int], int],
-                          down_to: Callable[[int], bool]) -> dict[int, PolicyVersion]:
-    """The trainer's own announcements of ``run_id`` by version, newest first, read backwards from the
-    end of ``dora.policy.versions`` until ``down_to(oldest version found)`` (no full replay)."""
+                          depth: int) -> dict[int, PolicyVersion]:
+    """The trainer's own announcements of ``run_id`` by version, read backwards from the end of
+    ``dora.policy.versions`` until the newest ``depth + 1`` versions are found (the live ones for ``depth = S``;
+    the trainer announces versions in increasing order) or version 0: no full replay of a long run."""
     found: dict[int, PolicyVersion] = {}
     for window in read_backwards(bootstrap, topics.VERSIONS, 0, stop_at=start.get((topics.VERSIONS, 0), 0)):
         for msg in window:
@@ -88,7 +89,7 @@ def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, in
                 continue
             if ann.run_id == run_id and ann.announced_by == PolicyVersion.TRAINER:
                 found.setdefault(int(ann.version), ann)
-        if found and down_to(min(found)):
+        if found and min(found) <= max(0, max(found) - depth):
             break
     return found
 
@@ -143,7 +144,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         if version % config.checkpoint_every == 0 or version == config.steps:
             checkpoint.save_replayable(run_dir / "checkpoints", version, model, tok, optimizer, lr_schedule, version)
 
-    announced = trainer_announcements(bootstrap, run_id, start_offsets, lambda oldest: oldest <= 0)
+    announced = trainer_announcements(bootstrap, run_id, start_offsets, config.max_staleness)
     if announced:
         again = session.restore(announced)
         step = session.step

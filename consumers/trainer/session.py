@@ -149,7 +149,10 @@ def start_session(config: DoraConfig, run_id: str, run_dir: Path, token: str, in
     random.seed(config.seed)
     state = build_state(config, device="cpu" if config.trainer_ranks > 1 else None)
     publisher = Publisher(config.weight_transport, run_id, run_dir, token, keep=config.max_staleness + 2)
+    vocab = getattr(state.model.config, "vocab_size", None)
+    if config.vocab_size and vocab != config.vocab_size:
+        raise ValueError(f"the run records vocab_size {config.vocab_size}, but model {config.model} has {vocab}: "
+                         "the assembler would check token ids against the wrong vocabulary")
     checkpoints = run_dir / "trainer-state"
     checkpoints.mkdir(parents=True, exist_ok=True)
-    return TrainerSession(config, state, publisher, checkpoints, incarnation,
-                          vocab=getattr(state.model.config, "vocab_size", None))
+    return TrainerSession(config, state, publisher, checkpoints, incarnation, vocab=vocab)

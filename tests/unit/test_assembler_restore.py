@@ -106,3 +106,36 @@ def test_an_untrainable_scored_trajectory_refuses_its_group(reward: float, logpr
     assert why in letters[0].reason and letters[0].error_type == "input"
     batches = [o.record for o in out if o.topic == topics.BATCHES]
     assert [t.trajectory_id for t in batches[0].trajectories] == list(ids)
+
+
+def test_a_token_id_outside_the_recorded_vocabulary_is_refused_by_the_assembler_not_the_trainer() -> None:
+    """With ``vocab_size`` recorded, a trajectory holding token id 64 of a 58-token vocabulary is dead-lettered
+    on receipt (its group is replaced) and never reaches a batch the trainer would refuse whole."""
+    import dataclasses
+
+    bad = dataclasses.replace(_traj(f"{RUN}/p0", 3, 0), response_ids=np.asarray([7, 64], dtype=np.int32))
+    records = [InRecord(topics.SCORED, 0, i, None, t) for i, t in enumerate(
+        [_traj(f"{RUN}/p0", i, 0) for i in range(3)] + [bad])]
+    for vocab, refused in ((0, 0), (58, 1)):
+        cfg = dataclasses.replace(CFG, vocab_size=vocab)
+        out = MemoryDriver(lambda cfg=cfg: Assembler(RUN, cfg), records).run()  # type: ignore[misc]
+        letters = [o.record for o in out if o.topic == topics.DLQ]
+        assert len(letters) == refused
+        assert all("token id is outside [0, 58)" in d.reason and d.group_id == f"{RUN}/p0" for d in letters)
+
+
+def test_the_launcher_records_the_models_vocabulary_and_the_trainer_checks_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from dora_rl.consumers.trainer.session import start_session
+    from dora_rl.launcher import with_vocab_size
+
+    monkeypatch.setenv("DORA_HOME", str(tmp_path))
+    cfg = DoraConfig.from_dict({"model": "tiny:1m", "train_batch_size": 4, "group_size": 2,
+                                "rollout_batch_size": 4, "weight_transport": "file"})
+    recorded = with_vocab_size(cfg)
+    assert recorded.vocab_size > 0 and with_vocab_size(dataclasses.replace(cfg, model=str(tmp_path / "no"))) == \
+        dataclasses.replace(cfg, model=str(tmp_path / "no"))
+    start_session(recorded, RUN, tmp_path / "ok", "t", "i").publisher.close()
+    with pytest.raises(ValueError, match="vocab_size"):
+        start_session(dataclasses.replace(recorded, vocab_size=recorded.vocab_size + 1), RUN, tmp_path / "x", "t", "i")
