@@ -5,7 +5,10 @@ passes, and every injected record that a live reader consumed has its dead lette
 Injected, at the head of each topic partition a live role reads: random bytes with no headers, a valid record
 cut short, a non-UTF-8 schema header, an unknown schema name, an unknown schema fingerprint, and (on the scored
 topic) a 900 KB record of garbage. Records with bad meaning: a scored trajectory of an unknown group with a NaN
-reward, an announcement with no holder, and refusals naming a queued and an unknown group. ``dora.runs`` and
+reward; scored copies of three real trajectories just generated, with a NaN, an infinite and an out-of-range
+reward (a hostile external scorer: whichever copy of a real trajectory the assembler meets first, no batch may
+hold a bad reward and every announced version must hold finite weights); an announcement with no holder, and
+refusals naming a queued and an unknown group. ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
 live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
 readers of that topic (and partition) wrote one.
@@ -13,6 +16,7 @@ readers of that topic (and partition) wrote one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -123,7 +127,11 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         queued, unknown = (DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
                                       source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
                            for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group"))
-        for rec, topic, kind in ((nan, topics.SCORED, "nan_reward"), (no_holder, topics.VERSIONS, "no_holder"),
+        hostile = [(dataclasses.replace(t, reward=r), topics.SCORED, f"real_{name}_reward")
+                   for t, (name, r) in zip(_recent_trajectories(bootstrap, run_id, 3),
+                                           (("nan", math.nan), ("inf", math.inf), ("out_of_range", 7.0)), strict=True)]
+        for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
+                                 (no_holder, topics.VERSIONS, "no_holder"),
                                  (queued, topics.DLQ, "refusal_of_queued_group"),
                                  (unknown, topics.DLQ, "refusal_of_unknown_group")):
             value, headers = rec.encode()  # type: ignore[attr-defined]
@@ -153,12 +161,54 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     wrong = [(t, p, o, k, sorted(letters.get((t, p, o), ())), sorted(_readers(t, p, k))) for t, p, o, k in injected
              if letters.get((t, p, o), set()) != _readers(t, p, k)]
     assert not wrong, f"{len(wrong)} of {len(injected)} injected records lack a reader's dead letter: {wrong[:12]}"
+    _assert_finite_training(bootstrap, run_id, dora_home)
+
+
+def _recent_trajectories(bootstrap: str, run_id: str, n: int) -> list:  # type: ignore[type-arg]
+    """``n`` of the run's newest generated trajectories (of different groups where there are enough)."""
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_read import read_backwards
+    from dora_rl.schemas.records import Trajectory
+
+    found: dict[str, Trajectory] = {}
+    meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topics.TRAJECTORIES, timeout=30)
+    for p in meta.topics[topics.TRAJECTORIES].partitions:
+        for window in read_backwards(bootstrap, topics.TRAJECTORIES, p, window=50):
+            for msg in reversed(window):
+                t = Trajectory.decode(msg.value(), msg.headers())
+                if t.run_id == run_id:
+                    found.setdefault(t.group_id, t)
+            break
+    assert len(found) >= 1, "no trajectory generated yet"
+    groups = list(found.values())
+    return [groups[i % len(groups)] for i in range(n)]
+
+
+def _assert_finite_training(bootstrap: str, run_id: str, dora_home: Path) -> None:
+    """No trained batch holds a reward outside [0, 1], and every checkpoint the trainer kept is of finite
+    weights (its checksums are what it announced: decision 0053)."""
+    from safetensors.torch import load_file
+
+    from dora_rl.infra import topics
+    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.schemas.records import TrainBatch
+
+    rewards = [t.reward for msg in read_all(bootstrap, topics.BATCHES, {})
+               for b in [TrainBatch.decode(msg.value(), msg.headers())] if b.run_id == run_id for t in b.trajectories]
+    assert len(rewards) == CONFIG["steps"] * CONFIG["train_batch_size"]
+    assert all(r is not None and 0.0 <= r <= 1.0 for r in rewards), "a bad reward reached a batch"
+    weights = sorted((dora_home / "runs" / run_id).glob("**/model.safetensors"))
+    assert weights, "no checkpoint kept"
+    for path in weights:
+        assert all(bool(t.isfinite().all()) for t in load_file(str(path)).values()), f"non-finite weights in {path}"
 
 
 def _readers(topic: str, partition: int, kind: str) -> set[str]:
     """The components that read ``topic`` live in this run, each owing one dead letter per injected record; a
     trajectory with a NaN reward decodes (the orchestrator passes it by) and is refused by the assembler."""
-    if kind == "nan_reward":
+    if kind.endswith("_reward"):
         return {"assembler"}
     if kind.startswith("refusal_of"):
         return set()  # a dead letter is read, not refused: the audit shows the group trained (nothing missing)
