@@ -207,13 +207,14 @@ def refused_ids(dead_letters: Iterable[DeadLetter]) -> set[str]:
     return out
 
 
-def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion]) -> set[int]:
-    """Version checks; returns the versions the trainer announced."""
+def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion], token: str = "") -> set[int]:
+    """Version checks; returns the versions the trainer announced. With the run's ``token`` an announcement
+    not signed with it is refused, as every reader holding the token refuses it (decision 0054)."""
     checksums: dict[int, set[tuple[str, ...]]] = defaultdict(set)
     announced: set[int] = set()
     newest = -1
     for ann in versions:
-        if announcement_problem(ann, check_manifest=False) is not None:  # refused by every reader: not the run's
+        if announcement_problem(ann, check_manifest=False, token=token) is not None:  # every reader refuses it
             rep.v_refused += 1
             continue
         checksums[int(ann.version)].add(tuple(b.checksum for b in ann.buckets))
@@ -234,7 +235,8 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                   trajectories: Iterable[Trajectory], batches: Iterable[TrainBatch],
                   dead_letters: Iterable[DeadLetter] = (),
                   announcements: Iterable[PolicyVersion] | None = None,
-                  chunks: Iterable[TokenChunk] = (), statuses: Iterable[InstanceStatus] = ()) -> AuditReport:
+                  chunks: Iterable[TokenChunk] = (), statuses: Iterable[InstanceStatus] = (),
+                  token: str = "") -> AuditReport:
     """The audit as a pure function of a run's records (``announcements`` None: no version checks).
 
     ``trajectories`` are the generated ones (``dora.rollout.trajectories``, regenerated copies
@@ -341,7 +343,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                                 f"e.g. {balance.never_generated[:3]}")
     rep.waste_trajectories, rep.waste_tokens = waste(first, extra, balance.refused)
     if announcements is not None:
-        announced = audit_versions(rep, announcements)
+        announced = audit_versions(rep, announcements, token)
         if rep.complete:
             untrained = sorted(k for k in steps_seen if k + 1 not in announced)
             rep.c2_untrained_steps = len(untrained)
@@ -382,8 +384,9 @@ def _records(bootstrap: str, run_id: str, topic: str, cls: type[Record], start: 
     return out
 
 
-def audit_run(bootstrap: str, run_id: str | None = None) -> AuditReport:
-    """Read the run's topics and audit them."""
+def audit_run(bootstrap: str, run_id: str | None = None, token: str = "") -> AuditReport:
+    """Read the run's topics and audit them (``token``: the run's weight-channel token, to refuse forged
+    announcements as the run's readers do; without it, every well-formed announcement counts)."""
     info = get_run(bootstrap, run_id)
     config = DoraConfig.from_json(info.config_json)
 
@@ -397,7 +400,7 @@ def audit_run(bootstrap: str, run_id: str | None = None) -> AuditReport:
     versions = _records(bootstrap, info.run_id, topics.VERSIONS, PolicyVersion, start(topics.VERSIONS))
     chunks = _records(bootstrap, info.run_id, topics.TOKENS, TokenChunk, start(topics.TOKENS))
     statuses = _records(bootstrap, info.run_id, topics.INSTANCES, InstanceStatus, start(topics.INSTANCES))
-    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses)
+    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token)
 
 
 def report_json(report: AuditReport) -> str:

@@ -210,8 +210,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra.runs import get_run
+    from dora_rl.roles import run_token
 
-    report = audit_run(_bootstrap(args), args.run)
+    bootstrap = _bootstrap(args)
+    run_id = get_run(bootstrap, args.run).run_id
+    report = audit_run(bootstrap, run_id, run_token(run_id))
     print(report.render())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))

@@ -78,6 +78,14 @@ def weight_token() -> str:
     return os.environ.get("DORA_WEIGHT_TOKEN", "")
 
 
+def run_token(run_id: str) -> str:
+    """:func:`weight_token`, else the token ``dora-rl create`` left in this host's run directory, else empty (an
+    operator's command, such as the audit, on the host that created the run needs no variable)."""
+    token = weight_token()
+    path = dora_home() / "runs" / run_id / "weight-token"
+    return token or (path.read_text().strip() if path.exists() else "")
+
+
 def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str = 0,
                instance_name: str | None = None) -> int:
     """Run one role of run ``run_id`` (latest run if None) until it finishes or is signalled; returns the
@@ -121,7 +129,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
     elif role == "orchestrator":
         from dora_rl.streams.orchestrator import run_orchestrator
 
-        run_orchestrator(bootstrap, info.run_id, config, start, stop=stop.is_set)
+        run_orchestrator(bootstrap, info.run_id, config, start, stop=stop.is_set, token=token)
     elif role == "dataset":
         from dora_rl.modeling import load_tokenizer
         from dora_rl.policy_source import resolve_model

@@ -1,20 +1,55 @@
 """What a reader of ``dora.policy.versions`` checks before it acts on an announcement (torch-free unless
-the manifest is checked, so an emulated instance starts without torch: docs/decisions/0039)."""
+the manifest is checked, so an emulated instance starts without torch: docs/decisions/0039), and the
+signature that proves an announcement came from a party of the run (docs/decisions/0054).
+
+Signature: ``HMAC-SHA256(token, encode(ann with signature = None))`` in hex, ``token`` the run's weight-channel
+token. Whoever serves weights (the trainer, a holder) signs what it announces; a reader holding the token
+refuses an announcement that is unsigned or signed with another key. A reader without a token cannot check and
+does not (it could not fetch the weights either).
+"""
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 from dora_rl.schemas.records import PolicyVersion
 
 
-def announcement_problem(ann: PolicyVersion, check_manifest: bool) -> str | None:
+def _mac(ann: PolicyVersion, token: str) -> str:
+    body = ann.replace(signature=None).encode()[0]
+    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
+
+
+def sign(ann: PolicyVersion, token: str) -> PolicyVersion:
+    """``ann`` signed with ``token`` (unchanged when ``token`` is empty: nothing to sign with)."""
+    return ann.replace(signature=_mac(ann, token)) if token else ann
+
+
+def signature_problem(ann: PolicyVersion, token: str) -> str | None:
+    """Why ``ann`` is not proven to come from a party of the run, or None (always None without a token)."""
+    if not token:
+        return None
+    if not ann.signature:
+        return f"announcement of version {ann.version} is not signed with the run's token"
+    if not hmac.compare_digest(ann.signature, _mac(ann, token)):
+        return f"announcement of version {ann.version} has a wrong signature (not signed with the run's token)"
+    return None
+
+
+def announcement_problem(ann: PolicyVersion, check_manifest: bool, token: str = "") -> str | None:
     """Why ``ann`` cannot be loaded from, or None: a negative version, no holder (every transport announces
-    at least one: an address, or a directory for ``file``), or (``check_manifest``) a manifest that breaks
+    at least one: an address, or a directory for ``file``), no valid signature (``token`` given), or
+    (``check_manifest``) a manifest that breaks
     its invariants. Readers dead-letter such a record and go on: it used to kill every rollout instance, on
     every restart, since the record stays on the topic."""
     if int(ann.version) < 0:
         return f"announcement of version {ann.version}: versions start at 0"
     if not ann.holders:
         return f"announcement of version {ann.version} names no holder"
+    unsigned = signature_problem(ann, token)
+    if unsigned is not None:
+        return unsigned
     if check_manifest:
         from dora_rl.infra.weights.manifest import WeightManifest  # torch: only where weights are loaded
 

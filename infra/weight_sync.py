@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dora_rl.infra.announcements import sign
 from dora_rl.schemas.records import PolicyVersion
 
 from .endpoints import Endpoints
@@ -40,6 +41,7 @@ class Publisher:
         self.run_id = run_id
         self.dir = run_dir / "weights"
         self.keep = keep
+        self._token = token
         self._served: list[int] = []
         ep = endpoints or Endpoints.from_env()
         self._server = make_weight_server(transport, token, ep.bind_host, directory=self.dir,
@@ -60,7 +62,7 @@ class Publisher:
             self.retire(self._served.pop(0))
         ann = manifest.announce(self.run_id, step, self.transport, [self.endpoint], metrics=metrics,
                                 announced_by=announced_by)
-        return ann.replace(checkpoint_uri=checkpoint_uri)
+        return sign(ann.replace(checkpoint_uri=checkpoint_uri), self._token)
 
     def retire(self, version: int) -> None:
         """Stop serving ``version`` and free its memory / files."""

@@ -360,6 +360,7 @@ class PolicyVersion(Record):
     checkpoint_uri: str | None = None
     train_metrics: dict[str, float] = field(default_factory=dict)
     announced_by: str = "TRAINER"
+    signature: str | None = None
 
 
 @dataclass(frozen=True, eq=False)

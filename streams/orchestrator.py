@@ -80,8 +80,8 @@ class Orchestrator:
 
     name = COMPONENT
 
-    def __init__(self, run_id: str, config: DoraConfig) -> None:
-        self.run_id, self.config = run_id, config
+    def __init__(self, run_id: str, config: DoraConfig, token: str = "") -> None:
+        self.run_id, self.config, self.token = run_id, config, token  # token: announcements' signatures
         self.inputs = tuple(input_types(config))
         self.rules = make_scheduler(config)
         self.prompts: dict[str, Prompt] = {}  # queued or dispatched-and-unconsumed groups
@@ -105,7 +105,7 @@ class Orchestrator:
                 self.prompts[r.group_id], self.prompt_ref[r.group_id] = r, rec.ref
                 self.rules.add_prompt(r.group_id, r)
         elif rec.topic == topics.VERSIONS:
-            problem = announcement_problem(r, check_manifest=False)
+            problem = announcement_problem(r, check_manifest=False, token=self.token)
             if problem is not None:  # the instances refuse it too: no version to schedule for
                 letter = dead_letter_for(rec, COMPONENT, self.run_id, problem, "announcement", ctx.wall_ms())
                 ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
@@ -249,10 +249,12 @@ class Orchestrator:
 
 
 def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
-                     start_offsets: dict[tuple[str, int], int], stop: Callable[[], bool] = lambda: False) -> None:
-    """Run until every trajectory is dispatched and every step consumed (or ``stop()``)."""
+                     start_offsets: dict[tuple[str, int], int], stop: Callable[[], bool] = lambda: False,
+                     token: str = "") -> None:
+    """Run until every trajectory is dispatched and every step consumed (or ``stop()``); ``token``: the run's
+    weight-channel token, which proves an announcement genuine (unchecked when empty)."""
     from .kafka_runtime import KafkaDriver
 
-    orch = Orchestrator(run_id, config)
+    orch = Orchestrator(run_id, config, token)
     driver = KafkaDriver(bootstrap, run_id, orch, input_types(config), start_offsets)
     driver.run(stop, done=orch.done)

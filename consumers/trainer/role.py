@@ -46,6 +46,7 @@ from pathlib import Path
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import modelled_train_s
 from dora_rl.infra import prom, topics
+from dora_rl.infra.announcements import announcement_problem
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
 from dora_rl.infra.keys import make_key
@@ -76,21 +77,35 @@ def pad_to_modelled_time(batch: TrainBatch, config: DoraConfig, spent_s: float) 
 
 
 def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, int], int],
-                          depth: int) -> dict[int, PolicyVersion]:
+                          depth: int, token: str = "") -> dict[int, PolicyVersion]:
     """The trainer's own announcements of ``run_id`` by version, read backwards from the end of
     ``dora.policy.versions`` until the newest ``depth + 1`` versions are found (the live ones for ``depth = S``;
-    the trainer announces versions in increasing order) or version 0: no full replay of a long run."""
+    the trainer announces versions in increasing order) or version 0: no full replay of a long run. With the
+    run's ``token``, one not signed with it is passed by (a forged announcement never becomes the trainer's
+    state: decision 0054); if only such ones exist, starting over at version 0 would announce a second version
+    0, so that is an error (a forgery, or a run created before announcements were signed)."""
     found: dict[int, PolicyVersion] = {}
+    unsigned = 0
     for window in read_backwards(bootstrap, topics.VERSIONS, 0, stop_at=start.get((topics.VERSIONS, 0), 0)):
         for msg in window:
             try:
                 ann = PolicyVersion.decode(msg.value(), msg.headers())
             except DecodeError:
                 continue
-            if ann.run_id == run_id and ann.announced_by == PolicyVersion.TRAINER:
+            if ann.run_id != run_id or ann.announced_by != PolicyVersion.TRAINER:
+                continue
+            if announcement_problem(ann, check_manifest=False, token=token) is None:
                 found.setdefault(int(ann.version), ann)
+            else:
+                unsigned += 1
         if found and min(found) <= max(0, max(found) - depth):
             break
+    if unsigned and not found:
+        raise RuntimeError(f"run {run_id}: {unsigned} trainer announcements on {topics.VERSIONS}, none signed with "
+                           "this run's weight token (forged, or written before announcements were signed: "
+                           "docs/decisions/0054); refusing to start over at version 0")
+    if unsigned:
+        log.warning("passed by %d trainer announcements not signed with the run's token", unsigned)
     return found
 
 
@@ -144,7 +159,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         if version % config.checkpoint_every == 0 or version == config.steps:
             checkpoint.save_replayable(run_dir / "checkpoints", version, model, tok, optimizer, lr_schedule, version)
 
-    announced = trainer_announcements(bootstrap, run_id, start_offsets, config.max_staleness)
+    announced = trainer_announcements(bootstrap, run_id, start_offsets, config.max_staleness, token or "")
     if announced:
         again = session.restore(announced)
         step = session.step

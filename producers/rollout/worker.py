@@ -39,7 +39,7 @@ import numpy as np
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import prom, topics
-from dora_rl.infra.announcements import announcement_problem
+from dora_rl.infra.announcements import announcement_problem, sign
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import KafkaSecurityError
@@ -161,7 +161,7 @@ class InstanceHolder:
         from dora_rl.infra.endpoints import Endpoints
         from dora_rl.infra.weights.channel import make_weight_server
 
-        self.run_id, self.transport = run_id, transport
+        self.run_id, self.transport, self.token = run_id, transport, token
         ep = Endpoints.from_env()
         self._server = make_weight_server(transport, token, ep.bind_host, recycle=True, advertised_host=ep.advertised,
                                           **ep.weight_transport_options(transport))
@@ -171,8 +171,8 @@ class InstanceHolder:
         if previous >= 0 and previous != version:
             self._server.retire(previous)
         manifest = self._server.serve(version, weights)
-        return manifest.announce(self.run_id, version, self.transport, [self.endpoint],
-                                 announced_by=PolicyVersion.HOLDER)
+        return sign(manifest.announce(self.run_id, version, self.transport, [self.endpoint],
+                                      announced_by=PolicyVersion.HOLDER), self.token)
 
     def close(self) -> None:
         self._server.close()
@@ -316,7 +316,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                 raise RuntimeError("generation failed") from gen_error[0]
             for env in versions.poll(0.0):
                 ann: PolicyVersion = env.record
-                problem = announcement_problem(ann, check_manifest=fetcher is not None)
+                problem = announcement_problem(ann, check_manifest=fetcher is not None, token=token)
                 if problem is not None:  # one dead letter per reader, then the next record
                     inst_dlq.refuse(env, problem, "announcement", value=ann.encode()[0])
                     continue

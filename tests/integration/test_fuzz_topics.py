@@ -7,7 +7,8 @@ cut short, a non-UTF-8 schema header, an unknown schema name, an unknown schema 
 topic) a 900 KB record of garbage. Records with bad meaning: a scored trajectory of an unknown group with a NaN
 reward; scored copies of three real trajectories just generated, with a NaN, an infinite and an out-of-range
 reward (a hostile external scorer: whichever copy of a real trajectory the assembler meets first, no batch may
-hold a bad reward and every announced version must hold finite weights); an announcement with no holder, and
+hold a bad reward and every announced version must hold finite weights); an announcement with no holder; a
+forged announcement of a new version held elsewhere, signed with another key (decision 0054); and
 refusals naming a queued and an unknown group. ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
 live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
@@ -93,6 +94,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
 
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra import topics
+    from dora_rl.infra.announcements import sign
     from dora_rl.infra.kafka_io import read_all
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import DeadLetter, PolicyVersion
@@ -124,6 +126,9 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         nan = _trajectory(run_id, "fuzz-nan", math.nan)
         no_holder = PolicyVersion(run_id=run_id, version=0, step=0, created_ms=0, transport="tcp", holders=(),
                                   total_bytes=0, checksum_algo="sha256", tensors=(), buckets=())
+        genuine = PolicyVersion.decode(*_last_record(bootstrap, topics.VERSIONS))
+        forged = sign(genuine.replace(run_id=run_id, version=genuine.version + 50, holders=("127.0.0.1:1",),
+                                      announced_by=PolicyVersion.TRAINER), "not the run's token")
         queued, unknown = (DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
                                       source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
                            for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group"))
@@ -132,6 +137,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                                            (("nan", math.nan), ("inf", math.inf), ("out_of_range", 7.0)), strict=True)]
         for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
                                  (no_holder, topics.VERSIONS, "no_holder"),
+                                 (forged, topics.VERSIONS, "forged_announcement"),
                                  (queued, topics.DLQ, "refusal_of_queued_group"),
                                  (unknown, topics.DLQ, "refusal_of_unknown_group")):
             value, headers = rec.encode()  # type: ignore[attr-defined]
@@ -147,7 +153,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=60)
     assert json.loads(out.read_text())["steps"] == CONFIG["steps"]
-    report = audit_run(bootstrap, run_id)
+    report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip())
     assert report.verdict == "PASS", report.render()
 
     letters: dict[tuple[str, int, int], set[str]] = {}  # position -> the components that dead-lettered it
