@@ -121,11 +121,11 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
         from dora_rl.streams.reward_scorer import run_scorer
 
         run_scorer(bootstrap, info.run_id, start, config.num_partitions, stop.is_set, reward_fn=config.reward_fn,
-                   reward_timeout_s=config.reward_timeout_s, max_attempts=config.max_attempts)
+                   reward_timeout_s=config.reward_timeout_s, max_attempts=config.max_attempts, token=token)
     elif role == "assembler":
         from dora_rl.streams.assembler import run_assembler
 
-        run_assembler(bootstrap, info.run_id, config, start, stop=stop.is_set)
+        run_assembler(bootstrap, info.run_id, config, start, stop=stop.is_set, token=token)
     elif role == "orchestrator":
         from dora_rl.streams.orchestrator import run_orchestrator
 

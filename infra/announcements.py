@@ -10,31 +10,13 @@ does not (it could not fetch the weights either).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
+from dora_rl.infra.signing import signature_problem, signed
 from dora_rl.schemas.records import PolicyVersion
-
-
-def _mac(ann: PolicyVersion, token: str) -> str:
-    body = ann.replace(signature=None).encode()[0]
-    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
 
 
 def sign(ann: PolicyVersion, token: str) -> PolicyVersion:
     """``ann`` signed with ``token`` (unchanged when ``token`` is empty: nothing to sign with)."""
-    return ann.replace(signature=_mac(ann, token)) if token else ann
-
-
-def signature_problem(ann: PolicyVersion, token: str) -> str | None:
-    """Why ``ann`` is not proven to come from a party of the run, or None (always None without a token)."""
-    if not token:
-        return None
-    if not ann.signature:
-        return f"announcement of version {ann.version} is not signed with the run's token"
-    if not hmac.compare_digest(ann.signature, _mac(ann, token)):
-        return f"announcement of version {ann.version} has a wrong signature (not signed with the run's token)"
-    return None
+    return signed(ann, token)
 
 
 def announcement_problem(ann: PolicyVersion, check_manifest: bool, token: str = "") -> str | None:
@@ -47,7 +29,7 @@ def announcement_problem(ann: PolicyVersion, check_manifest: bool, token: str = 
         return f"announcement of version {ann.version}: versions start at 0"
     if not ann.holders:
         return f"announcement of version {ann.version} names no holder"
-    unsigned = signature_problem(ann, token)
+    unsigned = signature_problem(ann, token, f"announcement of version {ann.version}")
     if unsigned is not None:
         return unsigned
     if check_manifest:

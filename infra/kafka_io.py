@@ -316,24 +316,28 @@ def committed_offsets(consumer: Consumer, partitions: list[TopicPartition],
 
 
 def resume_assigned(consumer: Consumer, partitions: list[TopicPartition],
-                    start_offsets: Mapping[tuple[str, int], int]) -> None:
+                    start_offsets: Mapping[tuple[str, int], int]) -> list[tuple[str, int]]:
     """Assign ``partitions`` at the group's committed offsets; one without a committed offset starts at
-    ``start_offsets`` (where the run began; 0 when absent)."""
+    ``start_offsets`` (where the run began, or a snapshot's position; 0 when absent). Returns those without."""
     committed = committed_offsets(consumer, partitions)
+    missing: list[tuple[str, int]] = []
     for tp in committed:
         if tp.offset == OFFSET_INVALID or tp.offset < 0:
             tp.offset = start_offsets.get((tp.topic, tp.partition), 0)
+            missing.append((tp.topic, tp.partition))
     consumer.assign(committed)
+    return missing
 
 
 def resume_all_partitions(consumer: Consumer, topics_: Iterable[str],
-                          start_offsets: Mapping[tuple[str, int], int], what: str) -> None:
-    """Every partition of ``topics_`` assigned directly (no group membership) by :func:`resume_assigned`;
-    ``what`` names the caller in a refused credential's error."""
+                          start_offsets: Mapping[tuple[str, int], int], what: str) -> list[tuple[str, int]]:
+    """Every partition of ``topics_`` assigned directly (no group membership) by :func:`resume_assigned` (its
+    return: the partitions with no committed offset); ``what`` names the caller in a refused credential's
+    error."""
     with security_errors_fatal(what):
         md = consumer.list_topics(timeout=30)
-        resume_assigned(consumer, [TopicPartition(t, p) for t in topics_ for p in sorted(md.topics[t].partitions)],
-                        start_offsets)
+        partitions = [TopicPartition(t, p) for t in topics_ for p in sorted(md.topics[t].partitions)]
+        return resume_assigned(consumer, partitions, start_offsets)
 
 
 class RunConsumer:

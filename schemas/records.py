@@ -466,6 +466,16 @@ class BatchPlan(Record):
 
 
 @dataclass(frozen=True)
+class InputPosition(Record):
+    """One input partition's next offset (nested in :class:`ProcessorSnapshot`)."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.InputPosition"
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
 class ProcessorSnapshot(Record):
     """A stream processor's state at one commit. Topic ``dora.state`` (see ``docs/topics.md``)."""
 
@@ -475,6 +485,8 @@ class ProcessorSnapshot(Record):
     commit: int
     ts_ms: int
     state: bytes
+    positions: tuple[InputPosition, ...] = nested(InputPosition)
+    signature: str | None = None
 
 
 #: Every top-level record class by schema name.

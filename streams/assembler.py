@@ -142,10 +142,12 @@ class Assembler:
 
 
 def run_assembler(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
-                  stop: Callable[[], bool] = lambda: False) -> None:
-    """Assemble until ``stop()``; every batch commits with the state and offsets in one transaction."""
+                  stop: Callable[[], bool] = lambda: False, token: str = "") -> None:
+    """Assemble until ``stop()``; every batch commits with the state and offsets in one transaction (its
+    snapshots signed with the run's ``token``)."""
     from .kafka_runtime import KafkaDriver
 
     asm = Assembler(run_id, config)
-    driver = KafkaDriver(bootstrap, run_id, asm, INPUTS, start_offsets, commit_interval_s=0.5, linger_s=0.0)
+    driver = KafkaDriver(bootstrap, run_id, asm, INPUTS, start_offsets, commit_interval_s=0.5, linger_s=0.0,
+                         token=token)
     driver.run(stop, urgent=lambda: any(o.topic == topics.BATCHES for o in driver.ctx.pending))

@@ -103,8 +103,10 @@ class KafkaDriver:
 
     def __init__(self, bootstrap: str, run_id: str, processor: Processor,
                  record_types: Mapping[str, type[Record]], start_offsets: Mapping[tuple[str, int], int],
-                 commit_interval_s: float = 0.2, linger_s: float | None = None, max_records: int = 500) -> None:
+                 commit_interval_s: float = 0.2, linger_s: float | None = None, max_records: int = 500,
+                 token: str = "") -> None:
         self.bootstrap, self.run_id, self.proc = bootstrap, run_id, processor
+        self.token = token  # signs the snapshots; only signed ones are restored (decision 0054)
         self.record_types = dict(record_types)
         self.start_offsets = dict(start_offsets)
         self.commit_interval_s = commit_interval_s
@@ -131,15 +133,24 @@ class KafkaDriver:
         """Restore the processor from its latest snapshot (if any) and assign every input partition."""
         t0 = time.perf_counter()
         snap = latest_snapshot(self.bootstrap, self.run_id, self.proc.name,
-                               since=self.start_offsets.get((topics.STATE, 0), 0))
+                               since=self.start_offsets.get((topics.STATE, 0), 0), token=self.token)
+        start = dict(self.start_offsets)
         if snap is not None:
             self.proc.restore(snap.state, self.ctx)
             self.restored_from = int(snap.commit)
             self.commits = int(snap.commit)
+            start.update(((p.topic, p.partition), int(p.offset)) for p in snap.positions)
         self.proc.init(self.ctx)
         self._cache.clear()
-        resume_all_partitions(self.consumer, self.record_types, self.start_offsets,
-                              f"{self.proc.name}: inputs and committed offsets")
+        missing = resume_all_partitions(self.consumer, self.record_types, start,
+                                        f"{self.proc.name}: inputs and committed offsets")
+        if snap is None and len(missing) < len(self.consumer.assignment()):
+            raise RuntimeError(f"{self.proc.name}: its group committed input offsets but no snapshot of it is "
+                               "found (each commit writes both): its state is lost, e.g. a record written under "
+                               "its key was compacted over it; refusing to resume with an empty state")
+        if snap is not None and missing:  # offsets expired (offsets.retention.minutes) or deleted
+            log.warning("%s: no committed offset for %d input partitions: resuming them from snapshot %d's "
+                        "positions", self.proc.name, len(missing), snap.commit)
         self._hold_back()
         log.info("%s: %s in %.2fs", self.proc.name,
                  f"restored from commit {self.restored_from}" if snap is not None else "fresh start",
@@ -196,10 +207,10 @@ class KafkaDriver:
             for o in outs:
                 self.producer.send(o.topic, o.record, o.key, partition=o.partition)
             self.commits += 1
-            send_snapshot(self.producer, self.run_id, self.proc.name, self.commits, self.proc.snapshot())
-            positions = self.consumer.position(self.consumer.assignment())
-            self.producer.raw.send_offsets_to_transaction(
-                [tp for tp in positions if tp.offset >= 0], self.consumer.consumer_group_metadata(), 60)
+            positions = [tp for tp in self.consumer.position(self.consumer.assignment()) if tp.offset >= 0]
+            send_snapshot(self.producer, self.run_id, self.proc.name, self.commits, self.proc.snapshot(),
+                          [(tp.topic, tp.partition, tp.offset) for tp in positions], self.token)
+            self.producer.raw.send_offsets_to_transaction(positions, self.consumer.consumer_group_metadata(), 60)
             crash_point(f"{self.proc.name}.before_commit")
             t1 = time.perf_counter()
             self.producer.raw.commit_transaction(60)

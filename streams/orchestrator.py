@@ -256,5 +256,5 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
     from .kafka_runtime import KafkaDriver
 
     orch = Orchestrator(run_id, config, token)
-    driver = KafkaDriver(bootstrap, run_id, orch, input_types(config), start_offsets)
+    driver = KafkaDriver(bootstrap, run_id, orch, input_types(config), start_offsets, token=token)
     driver.run(stop, done=orch.done)

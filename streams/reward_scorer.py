@@ -152,14 +152,15 @@ class Scorer:
 
 def run_scorer(bootstrap: str, run_id: str, start_offsets: dict[tuple[str, int], int], num_partitions: int,
                stop: Callable[[], bool] = lambda: False, reward_fn: str = "task", reward_timeout_s: float = 10.0,
-               max_attempts: int = 2) -> None:
-    """Score until ``stop()``; every commit is one transaction (see the module docstring)."""
+               max_attempts: int = 2, token: str = "") -> None:
+    """Score until ``stop()``; every commit is one transaction (see the module docstring), its snapshot signed
+    with the run's ``token``."""
     from .kafka_runtime import KafkaDriver
 
     runner = RewardRunner(reward_fn, reward_timeout_s)  # an unresolvable reward_fn fails here, before Kafka
     try:
         scorer = Scorer(run_id, num_partitions, runner_scores(runner), max_attempts)
         KafkaDriver(bootstrap, run_id, scorer, {topics.TRAJECTORIES: Trajectory}, start_offsets,
-                    commit_interval_s=0.02, linger_s=0.0).run(stop)
+                    commit_interval_s=0.02, linger_s=0.0, token=token).run(stop)
     finally:
         runner.close()

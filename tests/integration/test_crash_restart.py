@@ -103,3 +103,56 @@ def test_resume_after_retention_deleted_what_the_run_needs_fails_with_that_reaso
     assert f"run {info.run_id} cannot be resumed: retention deleted records" in res.stderr
     assert f"{topics.PROMPTS}[0]: the run needs records from offset {high - 3}" in res.stderr
     assert not (dora_home / "runs" / info.run_id / "pids.json").exists(), "nothing may start"
+
+
+def test_resume_after_the_runs_group_offsets_expired_continues_from_the_snapshots(
+        bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
+    """Offsets of an idle group expire (``offsets.retention.minutes``); deleting the run's groups does the same
+    at once. The processors then resume from the positions their snapshots committed (not the run's start),
+    the trainer skips the steps it trained, and the audit (with the run's token) finds nothing twice."""
+    import time
+
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.consumers.audit import audit_run
+
+    config = {**CONFIG, "steps": 6, "seed": 7}
+    launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, config, output=subprocess.DEVNULL)
+    run_id = rdir.name
+    try:
+        _wait(lambda: _steps_done(bootstrap, run_id) >= 2, 180, "two steps")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in json.loads((rdir / "pids.json").read_text()).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    groups = [g.group_id for g in admin.list_consumer_groups().result().valid
+              if g.group_id.startswith(f"dora.{run_id}.")]
+    needed = {f"dora.{run_id}.{name}" for name in ("orchestrator", "assembler", "trainer")}
+    assert needed <= set(groups), groups
+    deleted: set[str] = set()
+    deadline = time.monotonic() + 60
+    while needed - deleted and time.monotonic() < deadline:
+        for g, fut in admin.delete_consumer_groups([g for g in groups if g not in deleted]).items():
+            try:
+                fut.result()
+                deleted.add(g)
+            except Exception:  # a group whose killed member's session has not timed out yet
+                pass
+        time.sleep(2)
+    assert needed <= deleted, f"could not delete {needed - deleted}"
+    out = tmp_path / "resumed.json"
+    resumed = subprocess.run([sys.executable, "-m", "dora_rl", "resume", run_id, "--bootstrap-servers", bootstrap,
+                              "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert json.loads(out.read_text())["steps"] == config["steps"]
+    logs = "".join(p.read_text(errors="replace") for p in (rdir / "logs").glob("*.log"))
+    assert "resuming them from snapshot" in logs, "a processor restarted without its group offsets"
+    report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip())
+    assert report.ok, report.render()
+    assert report.trajectories_batched == config["steps"] * config["train_batch_size"]

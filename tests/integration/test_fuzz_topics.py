@@ -114,6 +114,10 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                 injected.append((msg.topic(), msg.partition(), msg.offset(), kind))  # type: ignore[attr-defined]
             return report
 
+        genuine = PolicyVersion.decode(*_last_record(bootstrap, topics.VERSIONS))  # before any garbage lands there
+        hostile = [(dataclasses.replace(t, reward=r), topics.SCORED, f"real_{name}_reward")
+                   for t, (name, r) in zip(_recent_trajectories(bootstrap, run_id, 3),
+                                           (("nan", math.nan), ("inf", math.inf), ("out_of_range", 7.0)), strict=True)]
         rng = random.Random(0)
         letter = DeadLetter(component="fuzz", reason="x", error_type="x", source_topic="t", source_partition=0,
                             source_offset=0, ts_ms=0, run_id=run_id)
@@ -126,15 +130,11 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         nan = _trajectory(run_id, "fuzz-nan", math.nan)
         no_holder = PolicyVersion(run_id=run_id, version=0, step=0, created_ms=0, transport="tcp", holders=(),
                                   total_bytes=0, checksum_algo="sha256", tensors=(), buckets=())
-        genuine = PolicyVersion.decode(*_last_record(bootstrap, topics.VERSIONS))
         forged = sign(genuine.replace(run_id=run_id, version=genuine.version + 50, holders=("127.0.0.1:1",),
                                       announced_by=PolicyVersion.TRAINER), "not the run's token")
         queued, unknown = (DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
                                       source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
                            for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group"))
-        hostile = [(dataclasses.replace(t, reward=r), topics.SCORED, f"real_{name}_reward")
-                   for t, (name, r) in zip(_recent_trajectories(bootstrap, run_id, 3),
-                                           (("nan", math.nan), ("inf", math.inf), ("out_of_range", 7.0)), strict=True)]
         for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
                                  (no_holder, topics.VERSIONS, "no_holder"),
                                  (forged, topics.VERSIONS, "forged_announcement"),
@@ -176,6 +176,7 @@ def _recent_trajectories(bootstrap: str, run_id: str, n: int) -> list:  # type: 
 
     from dora_rl.infra import topics
     from dora_rl.infra.kafka_read import read_backwards
+    from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import Trajectory
 
     found: dict[str, Trajectory] = {}
@@ -183,7 +184,10 @@ def _recent_trajectories(bootstrap: str, run_id: str, n: int) -> list:  # type: 
     for p in meta.topics[topics.TRAJECTORIES].partitions:
         for window in read_backwards(bootstrap, topics.TRAJECTORIES, p, window=50):
             for msg in reversed(window):
-                t = Trajectory.decode(msg.value(), msg.headers())
+                try:
+                    t = Trajectory.decode(msg.value(), msg.headers())
+                except DecodeError:
+                    continue
                 if t.run_id == run_id:
                     found.setdefault(t.group_id, t)
             break

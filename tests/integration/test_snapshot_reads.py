@@ -63,3 +63,20 @@ def test_reading_backwards_yields_every_record_once_in_every_window(bootstrap: s
                 assert offs == sorted(offs)
                 got = offs + got
             assert got == list(range(3000)), (window, trial, len(got), sorted(set(range(3000)) - set(got))[:10])
+
+
+def test_a_processor_restores_only_its_own_signed_snapshot(bootstrap: str) -> None:
+    """Decision 0054: anyone may write ``dora.state``. A record under a processor's key that does not decode, is
+    unsigned, or is signed with another key is passed by; the newest snapshot signed with the run's token wins."""
+    producer = RecordProducer(bootstrap, "snapshot-forgery")
+    since = {(o.topic, o.partition): o.offset for o in end_offsets(bootstrap, [topics.STATE])}[(topics.STATE, 0)]
+    send_snapshot(producer, "signed-run", "assembler", 7, b"genuine", [("dora.rollout.scored", 0, 42)], "run-token")
+    send_snapshot(producer, "signed-run", "assembler", 8, b"forged, signed elsewhere", (), "attacker")
+    send_snapshot(producer, "signed-run", "assembler", 9, b"forged, unsigned")
+    producer.send_raw(topics.STATE, b"\x00garbage", b"signed-run/assembler", partition=0)
+    producer.flush()
+    snap = latest_snapshot(bootstrap, "signed-run", "assembler", since=since, token="run-token")
+    assert snap is not None and snap.commit == 7 and snap.state == b"genuine"
+    assert [(p.topic, p.partition, p.offset) for p in snap.positions] == [("dora.rollout.scored", 0, 42)]
+    unchecked = latest_snapshot(bootstrap, "signed-run", "assembler", since=since)
+    assert unchecked is not None and unchecked.commit == 9, "without the token the newest decodable record wins"
