@@ -105,54 +105,68 @@ def test_resume_after_retention_deleted_what_the_run_needs_fails_with_that_reaso
     assert not (dora_home / "runs" / info.run_id / "pids.json").exists(), "nothing may start"
 
 
-def test_resume_after_the_runs_group_offsets_expired_continues_from_the_snapshots(
-        bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
-    """Offsets of an idle group expire (``offsets.retention.minutes``); deleting the run's groups does the same
-    at once. The processors then resume from the positions their snapshots committed (not the run's start),
-    the trainer skips the steps it trained, and the audit (with the run's token) finds nothing twice."""
+
+SHORT_RETENTION = {"log.retention.ms": 20_000, "log.segment.ms": 5_000, "log.retention.check.interval.ms": 2_000,
+                   "offsets.retention.minutes": 1, "offsets.retention.check.interval.ms": 2_000}
+"""A broker whose defaults forget fast: records after 20 s (the run's topics declare their own retention, so
+theirs stay), idle groups' committed offsets 1 minute after their last commit."""
+
+
+def test_a_run_outlives_short_retention_and_resumes_after_its_offsets_expired(dora_home: Path, tmp_path: Path) -> None:
+    """On a broker with short retention and offset expiry: a run lasts longer than both, is killed whole (roles
+    and launcher), sits until its groups' offsets have expired, and is resumed. The processors restart from the
+    positions their snapshots committed (decision 0055), not the run's start; the run finishes and the audit
+    (with the run's token) passes with exactly steps x TBS trajectories batched, none twice."""
     import time
 
+    from confluent_kafka import ConsumerGroupTopicPartitions
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra.broker import LocalBroker
+    from dora_rl.infra.topics import ensure_topics
 
-    config = {**CONFIG, "steps": 6, "seed": 7}
-    launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, config, output=subprocess.DEVNULL)
-    run_id = rdir.name
+    broker = LocalBroker(tmp_path / "broker", port=0, config=SHORT_RETENTION).start()
     try:
-        _wait(lambda: _steps_done(bootstrap, run_id) >= 2, 180, "two steps")
+        bootstrap = broker.bootstrap_servers
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        ensure_topics(admin, 4)
+        config = {**CONFIG, "steps": 24, "seed": 7, "emulated": {**CONFIG["emulated"], "base_step_s": 0.08}}
+        t0 = time.monotonic()
+        launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, config, output=subprocess.DEVNULL)
+        run_id = rdir.name
+        try:
+            _wait(lambda: time.monotonic() - t0 > 65 and _steps_done(bootstrap, run_id) >= 2, 240,
+                  "a run older than the broker's retention and offset expiry")
+            assert _steps_done(bootstrap, run_id) < config["steps"], "the run ended before it could be killed"
+        finally:
+            launcher.kill()
+            launcher.wait()
+            for pid in json.loads((rdir / "pids.json").read_text()).values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        processors = [f"dora.{run_id}.{name}" for name in ("orchestrator", "assembler")]
+
+        def expired() -> bool:
+            for g in processors:  # one group per request (the client's limit)
+                res = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(g)])
+                if any(tp.offset >= 0 for f in res.values() for tp in f.result().topic_partitions or []):
+                    return False
+            return True
+
+        _wait(expired, 150, "the processors' committed offsets to expire")
+        out = tmp_path / "resumed.json"
+        resumed = subprocess.run([sys.executable, "-m", "dora_rl", "resume", run_id, "--bootstrap-servers", bootstrap,
+                                  "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=600,
+                                 env=dict(os.environ))
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+        assert json.loads(out.read_text())["steps"] == config["steps"]
+        logs = "".join(p.read_text(errors="replace") for p in (rdir / "logs").glob("*.log"))
+        assert "resuming them from snapshot" in logs, "no processor resumed from its snapshot's positions"
+        report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip())
+        assert report.ok, report.render()
+        assert report.trajectories_batched == config["steps"] * config["train_batch_size"]
     finally:
-        launcher.kill()
-        launcher.wait()
-        for pid in json.loads((rdir / "pids.json").read_text()).values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    groups = [g.group_id for g in admin.list_consumer_groups().result().valid
-              if g.group_id.startswith(f"dora.{run_id}.")]
-    needed = {f"dora.{run_id}.{name}" for name in ("orchestrator", "assembler", "trainer")}
-    assert needed <= set(groups), groups
-    deleted: set[str] = set()
-    deadline = time.monotonic() + 60
-    while needed - deleted and time.monotonic() < deadline:
-        for g, fut in admin.delete_consumer_groups([g for g in groups if g not in deleted]).items():
-            try:
-                fut.result()
-                deleted.add(g)
-            except Exception:  # a group whose killed member's session has not timed out yet
-                pass
-        time.sleep(2)
-    assert needed <= deleted, f"could not delete {needed - deleted}"
-    out = tmp_path / "resumed.json"
-    resumed = subprocess.run([sys.executable, "-m", "dora_rl", "resume", run_id, "--bootstrap-servers", bootstrap,
-                              "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=600,
-                             env=dict(os.environ))
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert json.loads(out.read_text())["steps"] == config["steps"]
-    logs = "".join(p.read_text(errors="replace") for p in (rdir / "logs").glob("*.log"))
-    assert "resuming them from snapshot" in logs, "a processor restarted without its group offsets"
-    report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip())
-    assert report.ok, report.render()
-    assert report.trajectories_batched == config["steps"] * config["train_batch_size"]
+        broker.stop()
