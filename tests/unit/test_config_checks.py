@@ -51,3 +51,34 @@ def test_max_instances_follows_the_instance_count_unless_set() -> None:
     assert DoraConfig.from_dict({"num_instances": 4, "max_instances": 8}).instance_limit == 8
     with pytest.raises(ValueError, match="must be <= max_instances"):
         DoraConfig.from_dict({"num_instances": 9, "max_instances": 8})
+
+
+def test_every_field_with_a_value_of_the_wrong_type_is_refused_naming_it() -> None:
+    """Each field of :class:`DoraConfig` in turn gets a value no type of it admits (a list, or a table for a
+    field that takes a list): the error names that field."""
+    import dataclasses
+
+    for f in dataclasses.fields(DoraConfig):
+        bad: object = {"x": 1} if "list" in str(f.type) or "tuple" in str(f.type) else [1, 2]
+        with pytest.raises(ValueError) as info:
+            DoraConfig.from_dict({f.name: bad})
+        assert f"{f.name} = " in str(info.value), (f.name, str(info.value))
+
+
+def test_the_cli_refuses_a_bad_config_within_seconds_naming_the_field(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``dora-rl run`` with a config of a wrong type exits 2 before it starts a broker or any role."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"steps": "ten", "max_staleness": -1}))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "dora_rl", "run", "--config", str(cfg)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "DORA_HOME": str(tmp_path)})
+    assert time.monotonic() - t0 < 10
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "steps = 'ten'" in res.stderr and "max_staleness = -1" in res.stderr
+    assert not (tmp_path / "runs").exists(), "nothing may start"
