@@ -82,6 +82,9 @@ WORKLOAD: dict[str, Any] = {
 
 S = 2
 """The staleness bound DORA and the bounded partial are both held to."""
+PUNCTUATE_S = 0.05
+"""The simulator's rule tick here: the real orchestrator punctuates once per poll, every ~0.05 s
+(``streams/kafka_runtime.py``), and these steps last seconds, not the paper setup's minutes."""
 KV_ROOM = WORKLOAD["emulated"]["kv_capacity_tokens"]
 """``instance_kv_tokens`` of ``consolidate``: the engine's KV room, which its user knows."""
 ABLATIONS: dict[str, dict[str, Any]] = {
@@ -207,7 +210,7 @@ def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str) -> 
     params = EmulatedParams.from_dict({"seed": cfg.seed, **cfg.emulated, "time_scale": 0.0})
     r = simulate(cfg, params, train_s_fixed=cfg.modelled_train_s_fixed,
                  train_s_per_token=cfg.modelled_train_s_per_token, switch_s=params.load_s,
-                 prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p")
+                 prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p", tick_s=PUNCTUATE_S)
     return {**steady_figures(r.step_end_s, [float(n) for n in r.step_tokens]), "steps": r.steps,
             "whole_run_throughput": r.throughput, "lost": r.lost.as_dict()}
 
@@ -284,6 +287,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def save_partial(fig: dict[str, Any], mode: str, setting: dict[str, Any]) -> None:
+    """Append one run's figures to ``$TMPDIR/modes-partial.jsonl`` as it finishes: a crash later in a long
+    invocation loses none of them."""
+    import json
+
+    with (Path(tempfile.gettempdir()) / "modes-partial.jsonl").open("a") as f:
+        f.write(json.dumps({"mode": mode, "setting": setting, **fig}, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -323,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         fig = collect(bootstrap, summary["run_id"], summary)
         fig["simulated"] = simulate_same(cfg, fig["mean_prompt_tokens"], summary["run_id"])
         fig["seed"] = seed
+        save_partial(fig, mode, setting)
         print(f"   {label(mode, setting):58s} seed {seed}: {fig['throughput_tokens_per_s']:6.0f} tok/s "
               f"(sim {fig['simulated']['throughput_tokens_per_s']:6.0f})  step {fig['step_time_s']:5.2f}s "
               f"(sim {fig['simulated']['step_time_s']:5.2f}s)  trainer idle {fig['trainer_idle_ratio']:.0%}  "
