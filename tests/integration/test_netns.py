@@ -109,12 +109,17 @@ def test_cleanup_stale_removes_a_crashed_lab_only(available: None) -> None:
     child = subprocess.Popen([sys.executable, "-c", crash], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     tag = child.stdout.readline().strip()
-    with NetLab(["live"]) as lab:
-        assert cleanup_stale() == []  # the crashed lab's owner still runs: nothing is stale yet
+    try:
+        with NetLab(["live"]) as lab:
+            assert cleanup_stale() == []  # the crashed lab's owner still runs: nothing is stale yet
+            child.kill()
+            child.wait(5)
+            removed = cleanup_stale()
+            assert f"dora-{tag}-c" in removed and f"db-{tag}" in removed, removed
+            assert lab.netns("live") in _root_state()[0]  # a live lab is left alone
+    finally:  # a failure above must not leave the crashed lab to fail the next run's first check
         child.kill()
         child.wait(5)
-        removed = cleanup_stale()
-        assert f"dora-{tag}-c" in removed and f"db-{tag}" in removed, removed
-        assert lab.netns("live") in _root_state()[0]  # a live lab is left alone
+        cleanup_stale()
     ns, links = _root_state()
     assert tag not in ns and f"db-{tag}" not in links
