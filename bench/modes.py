@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, path.with_suffix(".png"))
     for mode, row in result["summary"].items():
         if mode == "ratios":
-            print("dora vs each best:", {k: {s: round(x, 2) for s, x in v.items()} for k, v in row.items()})
+            print("dora vs each best:", {k: {s: x if isinstance(x, list | tuple) else round(x, 2) for s, x in v.items()}
+                                         for k, v in row.items()})
             continue
         tp, st = row["throughput_tokens_per_s"], row["step_time_s"]
         print(f"{mode:13s} {label(mode, row['setting']):58s} {tp['real']['mean']:6.0f} tok/s real, "
