@@ -41,7 +41,7 @@ from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, p
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
-from .roles import prompts_needed, run_dir
+from .roles import WEIGHT_TOKEN_FILE, prompts_needed, run_dir
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def with_vocab_size(config: DoraConfig) -> DoraConfig:
 def weight_token_file(rdir: Path) -> Path:
     """``<rdir>/weight-token``, created once (from ``DORA_WEIGHT_TOKEN`` or random), mode 0600: the same
     token across a resume, so restarted holders keep serving their peers."""
-    token_file = rdir / "weight-token"
+    token_file = rdir / WEIGHT_TOKEN_FILE
     if not token_file.exists():
         token_file.touch(mode=0o600)
         token_file.write_text(os.environ.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16))

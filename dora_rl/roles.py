@@ -78,11 +78,15 @@ def weight_token() -> str:
     return os.environ.get("DORA_WEIGHT_TOKEN", "")
 
 
+WEIGHT_TOKEN_FILE = "weight-token"
+"""The token's file in a run directory, written by ``dora-rl create`` (``launcher.weight_token_file``)."""
+
+
 def run_token(run_id: str) -> str:
     """:func:`weight_token`, else the token ``dora-rl create`` left in this host's run directory, else empty (an
     operator's command, such as the audit, on the host that created the run needs no variable)."""
     token = weight_token()
-    path = dora_home() / "runs" / run_id / "weight-token"
+    path = dora_home() / "runs" / run_id / WEIGHT_TOKEN_FILE
     return token or (path.read_text().strip() if path.exists() else "")
 
 
