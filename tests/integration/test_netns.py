@@ -102,8 +102,9 @@ def test_teardown_after_error_and_bad_arguments(available: None) -> None:
 
 
 def test_cleanup_stale_removes_a_crashed_lab_only(available: None) -> None:
-    from dora_rl.infra.netns import cleanup_stale
+    from dora_rl.infra.netns import STATE_DIR, cleanup_stale
 
+    cleanup_stale()  # labs left by an earlier, killed run on this machine are not this test's subject
     crash = "from dora_rl.infra.netns import NetLab\nlab = NetLab(['c']).__enter__()\nprint(lab.tag, flush=True)\n"
     crash += "import time; time.sleep(60)\n"
     child = subprocess.Popen([sys.executable, "-c", crash], stdout=subprocess.PIPE, text=True)
@@ -111,7 +112,10 @@ def test_cleanup_stale_removes_a_crashed_lab_only(available: None) -> None:
     tag = child.stdout.readline().strip()
     try:
         with NetLab(["live"]) as lab:
-            assert cleanup_stale() == []  # the crashed lab's owner still runs: nothing is stale yet
+            removed = cleanup_stale()  # the crashed lab's owner still runs: its lab is not stale yet
+            pidfile = STATE_DIR / f"{tag}.pid"
+            owner = pidfile.read_text().strip() if pidfile.exists() else "no pid file"
+            assert not [r for r in removed if tag in r or lab.tag in r], (removed, child.poll(), child.pid, owner)
             child.kill()
             child.wait(5)
             removed = cleanup_stale()
