@@ -134,9 +134,17 @@ def edit_rewards(batch: TrainBatch, rewards: Mapping[str, float]) -> TrainBatch:
 
 
 def available_checkpoints(source: RecordSource, announced: Mapping[int, PolicyVersion]) -> dict[int, Path]:
-    """Replay checkpoints of the run, plus trainer-state ones announcements name that still exist."""
-    found = {v: Path(a.checkpoint_uri) for v, a in announced.items()
-             if a.checkpoint_uri and (Path(a.checkpoint_uri) / checkpoint.COMPLETE).exists()}
+    """Replay checkpoints of the run, plus trainer-state ones announcements name that still exist under the
+    run's own directory (an announcement naming anywhere else is not followed)."""
+    run_dir = source.checkpoints_dir().parent
+    found: dict[int, Path] = {}
+    for v, a in announced.items():
+        try:
+            path = checkpoint.within(run_dir, a.checkpoint_uri) if a.checkpoint_uri else None
+        except ValueError:
+            continue
+        if path is not None and (path / checkpoint.COMPLETE).exists():
+            found[v] = path
     found.update(checkpoint.complete_versions(source.checkpoints_dir()))
     return found
 

@@ -103,10 +103,19 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"checkpoint {path} is incomplete or missing (no {COMPLETE} marker)")
     load_weights(model, load_file(str(path / "model.safetensors")))
-    state = torch.load(path / "trainer.pt", weights_only=False)
+    state = torch.load(path / "trainer.pt", weights_only=True)  # tensors and plain values: never code
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
+
+
+def within(root: Path, uri: str | Path) -> Path:
+    """``uri`` resolved, if it lies under ``root``; ValueError otherwise. A restore reads only under the run's
+    own checkpoint root, whatever location a record (an announcement, an archive) names."""
+    path, base = Path(uri).resolve(), root.resolve()
+    if not path.is_relative_to(base):
+        raise ValueError(f"checkpoint {uri} is outside this run's checkpoint root {base}: not read")
+    return path
 
 
 def load_weights_only(path: Path, model: torch.nn.Module) -> None:

@@ -106,13 +106,14 @@ class TrainerSession:
             uri = announced[v].checkpoint_uri
             if uri is None:
                 raise RuntimeError(f"version {v} was announced without a checkpoint: cannot restart this run")
-            checkpoint.load_weights_only(Path(uri), st.model)
+            checkpoint.load_weights_only(checkpoint.within(self.checkpoints, uri), st.model)
             ann = self.publisher.publish(v, v, state_dict_for_transfer(st.model), checkpoint_uri=uri,
                                          announced_by=PolicyVersion.HOLDER)
             if [b.checksum for b in ann.buckets] != [b.checksum for b in announced[v].buckets]:
                 raise RuntimeError(f"checkpoint {uri} does not hold the weights announced as version {v}")
             again.append(ann)
-        step = checkpoint.load(Path(str(announced[latest].checkpoint_uri)), st.model, st.optimizer, st.lr_schedule)
+        newest = checkpoint.within(self.checkpoints, str(announced[latest].checkpoint_uri))
+        step = checkpoint.load(newest, st.model, st.optimizer, st.lr_schedule)
         if step != latest:
             raise RuntimeError(f"checkpoint of version {latest} says step {step}")
         self.step = step

@@ -140,7 +140,7 @@ def test_a_checkpoint_that_does_not_hold_the_announced_weights_is_an_error(tmp_p
     log = _run([_batch(k) for k in range(STEPS)], tmp_path, None)
     forged = {v: a for v, a in log.announced().items()}
     forged[2] = forged[2].replace(checkpoint_uri=forged[3].checkpoint_uri)  # 2 and 3 are live (S = 1)
-    session = start_session(_config(), RUN, tmp_path / "again", "token", "i9")
+    session = start_session(_config(), RUN, tmp_path, "token", "i9")  # the same run, restarted
     with pytest.raises(RuntimeError, match="does not hold the weights announced as version 2"):
         session.restore(forged)
     session.publisher.close()
