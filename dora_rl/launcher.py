@@ -37,6 +37,7 @@ from dora_rl.consumers.tensorboard_log import TensorBoardLog
 from dora_rl.core.paired_bootstrap import paired_bootstrap
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.kafka_security import child_env, effective
 from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
@@ -273,7 +274,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     rdir = run_dir(info.run_id)
     logs = rdir / "logs"
     logs.mkdir(exist_ok=True)
-    env = dict(os.environ)
+    env = {**os.environ, **child_env(effective(), rdir)}  # the Kafka password by a 0600 file, never inline
     env.pop("DORA_WEIGHT_TOKEN", None)
     env["DORA_WEIGHT_TOKEN_FILE"] = str(weight_token_file(rdir))  # a file, never a secret in the environment
     env["PYTHONUNBUFFERED"] = "1"

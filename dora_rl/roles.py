@@ -27,9 +27,13 @@ ROLES = ("trainer", "rollout", "scorer", "assembler", "orchestrator", "dataset")
 
 
 def run_dir(run_id: str) -> Path:
-    """``$DORA_HOME/runs/<run_id>`` (created)."""
+    """``$DORA_HOME/runs/<run_id>`` (created). It and ``runs/`` are 0700: the run's token, checkpoints and
+    ``file``-transport weights beneath are its owner's alone."""
     path = dora_home() / "runs" / run_id
     path.mkdir(parents=True, exist_ok=True)
+    for private in (path.parent, path):
+        if private.stat().st_mode & 0o077:
+            private.chmod(0o700)
     return path
 
 

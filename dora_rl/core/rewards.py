@@ -47,7 +47,7 @@ import socket
 import subprocess
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from multiprocessing.connection import Connection
@@ -195,12 +195,22 @@ def _worker_main(fd: int, spec: str) -> None:
 _BOOT = "import sys; from dora_rl.core.rewards import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])"
 
 
+SECRET_ENV_PREFIXES = ("DORA_KAFKA_", "DORA_WEIGHT_TOKEN")
+"""Variables a reward worker never inherits: Kafka credentials (and where they are) and the run's weight
+token. The worker runs verifier code on model output; it needs neither."""
+
+
+def worker_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the variables of :data:`SECRET_ENV_PREFIXES`."""
+    return {k: v for k, v in env.items() if not k.startswith(SECRET_ENV_PREFIXES)}
+
+
 class _Worker:
     """One worker process, leader of its own process group, and the parent's end of its socket."""
 
     def __init__(self, spec: str) -> None:
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        env = {**worker_env(os.environ), "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
         try:
             self.proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT, str(theirs.fileno()), spec],
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,

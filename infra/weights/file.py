@@ -114,6 +114,7 @@ class DirectoryStore:
         self.directory = directory
         self.recycle = recycle
         directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o700)  # the transport's access control: only the run's owner reads the weights
         self._lock = threading.Lock()
         self._published: dict[int, int] = {}  # version -> bucket count
         self._writing: set[int] = set()  # versions being published (not listed yet)

@@ -136,3 +136,18 @@ def test_replay_retrain_follows_no_announcement_outside_the_run_and_loads_no_cod
         retrain(source, 0)
     assert not marker.exists()
 
+
+
+def test_run_and_weight_directories_are_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``file`` transport and the run's token rely on them: 0700, also where they existed wider."""
+    from dora_rl.infra.weights.file import DirectoryStore
+    from dora_rl.roles import run_dir
+
+    monkeypatch.setenv("DORA_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "runs" / "old").mkdir(parents=True, mode=0o755)
+    (tmp_path / "home" / "runs").chmod(0o755)
+    for run in ("new", "old"):
+        path = run_dir(run)
+        assert path.stat().st_mode & 0o777 == 0o700 and path.parent.stat().st_mode & 0o777 == 0o700
+    DirectoryStore(tmp_path / "weights")
+    assert (tmp_path / "weights").stat().st_mode & 0o777 == 0o700

@@ -52,6 +52,11 @@ def dies_on_die(task: str, reference: str, completion: str) -> float:
     return 0.5
 
 
+def secret_count(task: str, reference: str, completion: str) -> float:
+    """How many of the run's secrets the worker's environment holds, as a reward (0.1 each)."""
+    return 0.1 * sum(1 for k in os.environ if k.startswith(("DORA_KAFKA_", "DORA_WEIGHT_TOKEN")))
+
+
 def with_alarm(task: str, reference: str, completion: str) -> float:
     """Like math-verify: a SIGALRM-based timeout, which only works on the main thread."""
     def on_alarm(signum: int, frame: object) -> None:
@@ -105,6 +110,18 @@ def test_entry_point_is_resolved() -> None:
     with RewardRunner(f"{HERE}:prefix_match", timeout_s=5.0) as runner:
         assert runner.score("any", "ab", "abc") == 1.0
         assert runner.score("any", "ab", "xab") == 0.0
+
+
+def test_the_worker_environment_holds_no_kafka_secret_and_no_weight_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker runs verifier code on model output: it inherits no credential (issue 32)."""
+    secrets = {"DORA_KAFKA_SASL_PASSWORD": "hunter2", "DORA_KAFKA_SASL_USERNAME": "trainer",
+               "DORA_KAFKA_CLIENT_CONFIG": "/run/client.toml", "DORA_WEIGHT_TOKEN": "t0k3n",
+               "DORA_WEIGHT_TOKEN_FILE": "/run/token"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    assert secret_count("", "", "") == pytest.approx(0.5)  # this process holds them
+    with RewardRunner(f"{HERE}:secret_count", timeout_s=5.0) as runner:
+        assert runner.score("any", "", "") == 0.0
 
 
 @pytest.mark.parametrize("spec", ["nope", "no_such_module_xyz:f", f"{HERE}:missing", f"{HERE}:HERE", ":f"])
