@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,6 +35,13 @@ if TYPE_CHECKING:
 PROTO = 1
 MAGIC = b"DWC1"
 MAX_CONTROL = 16 << 20
+MAX_REQUEST = 64 << 10
+"""The largest message a holder reads from a fetcher (request, ``go``, ``bye``): a holder allocates no more
+than this for a peer whose token it has not checked."""
+REQUEST_DEADLINE_S = 10.0
+"""A holder's deadline for each whole message from a fetcher (not per ``recv``: a trickle cannot hold it)."""
+MAX_SESSIONS = 64
+"""Sessions a holder runs at once; further connections wait in the listen backlog."""
 
 
 class WeightChannelError(RuntimeError):
@@ -59,10 +67,16 @@ class WeightFetchError(WeightChannelError):
 # ---------------------------------------------------------------------------------------- framing
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``HolderFailed`` if the peer closes first (truncated stream)."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; ``HolderFailed`` if the peer closes first (truncated stream) or, with a
+    ``deadline`` (``time.monotonic()``), has not sent it all by then."""
     got, n = 0, view.nbytes
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HolderFailed(f"deadline passed after {got} of {n} bytes")
+            sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
@@ -85,17 +99,24 @@ def send_control(sock: socket.socket, msg: Mapping[str, Any]) -> None:
         raise HolderFailed(f"could not send a control message: {e}") from None
 
 
-def recv_control(sock: socket.socket) -> dict[str, Any]:
-    """Receive one framed JSON control message (a JSON object) or raise ``HolderFailed``."""
-    head = bytearray(8)
-    recv_exact(sock, memoryview(head))
-    if head[:4] != MAGIC:
-        raise HolderFailed(f"not a weight-channel peer (got {bytes(head[:4])!r} instead of {MAGIC!r})")
-    n = int.from_bytes(head[4:], "big")
-    if n > MAX_CONTROL:
-        raise HolderFailed(f"control message of {n} bytes exceeds {MAX_CONTROL}")
-    body = bytearray(n)
-    recv_exact(sock, memoryview(body))
+def recv_control(sock: socket.socket, limit: int = MAX_CONTROL, within_s: float | None = None) -> dict[str, Any]:
+    """Receive one framed JSON control message (a JSON object) of at most ``limit`` bytes, whole within
+    ``within_s`` seconds when given, or raise ``HolderFailed``."""
+    deadline = None if within_s is None else time.monotonic() + within_s
+    previous = sock.gettimeout()
+    try:
+        head = bytearray(8)
+        recv_exact(sock, memoryview(head), deadline)
+        if head[:4] != MAGIC:
+            raise HolderFailed(f"not a weight-channel peer (got {bytes(head[:4])!r} instead of {MAGIC!r})")
+        n = int.from_bytes(head[4:], "big")
+        if n > limit:
+            raise HolderFailed(f"control message of {n} bytes exceeds {limit}")
+        body = bytearray(n)
+        recv_exact(sock, memoryview(body), deadline)
+    finally:
+        if deadline is not None:
+            sock.settimeout(previous)
     try:
         msg = json.loads(body)
     except ValueError as e:

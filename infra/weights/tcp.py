@@ -22,6 +22,10 @@ from typing import Any
 import numpy as np
 
 from .protocol import (
+    MAX_CONTROL,
+    MAX_REQUEST,
+    MAX_SESSIONS,
+    REQUEST_DEADLINE_S,
     BulkConn,
     HolderFailed,
     WeightChannelError,
@@ -41,9 +45,11 @@ ACCEPT_POLL_S = 0.2
 class TcpConn:
     """A connected socket speaking the channel's framing; bulk segments travel in-band."""
 
-    def __init__(self, sock: socket.socket, peer: str, io_timeout: float) -> None:
+    def __init__(self, sock: socket.socket, peer: str, io_timeout: float, *, limit: int = MAX_CONTROL,
+                 within_s: float | None = None) -> None:
         self.sock = sock
         self.peer = peer
+        self.limit, self.within_s = limit, within_s  # for each message received (a holder's are bounded)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(io_timeout)
 
@@ -59,7 +65,7 @@ class TcpConn:
         send_control(self.sock, msg)
 
     def recv_msg(self) -> dict[str, Any]:
-        return recv_control(self.sock)
+        return recv_control(self.sock, self.limit, self.within_s)
 
     def request_extras(self) -> dict[str, Any]:
         return {}
@@ -107,7 +113,11 @@ def tcp_connect(address: str, connect_timeout: float, io_timeout: float) -> TcpC
 
 
 class TcpListener:
-    """Accept loop on ``host:port``; each connection gets a daemon thread running ``handler``."""
+    """Accept loop on ``host:port``; each connection gets a daemon thread running ``handler``.
+
+    Bounded: at most ``max_sessions`` sessions at once (the accept loop waits for a free one), and each
+    message a session receives is at most ``MAX_REQUEST`` bytes, whole within ``request_deadline_s``; so
+    idle or hostile peers cost at most ``max_sessions`` threads and ``max_sessions * MAX_REQUEST`` bytes."""
 
     def __init__(
         self,
@@ -116,7 +126,12 @@ class TcpListener:
         handler: Callable[[TcpConn], None],
         io_timeout: float,
         name: str = "weights-tcp",
+        *,
+        max_sessions: int = MAX_SESSIONS,
+        request_deadline_s: float = REQUEST_DEADLINE_S,
     ) -> None:
+        self._slots = threading.BoundedSemaphore(max_sessions)
+        self._request_deadline_s = request_deadline_s
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -134,13 +149,18 @@ class TcpListener:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if not self._slots.acquire(timeout=ACCEPT_POLL_S):
+                continue
             try:
                 sock, addr = self._sock.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError:
+                self._slots.release()
                 break
-            conn = TcpConn(sock, f"{addr[0]}:{addr[1]}", self._io_timeout)
+            conn = TcpConn(sock, f"{addr[0]}:{addr[1]}", self._io_timeout, limit=MAX_REQUEST,
+                           within_s=self._request_deadline_s)
             t = threading.Thread(target=self._run, args=(conn,), name=f"{self._name}-conn", daemon=True)
             with self._lock:
                 self._threads.add(t)
@@ -157,6 +177,7 @@ class TcpListener:
             conn.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
+            self._slots.release()
 
     def close(self, join_timeout: float = 5.0) -> None:
         """Stop accepting; wait (bounded) for running sessions."""
@@ -175,16 +196,19 @@ class TcpTransport:
 
     kind = "tcp"
 
-    def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 30.0) -> None:
+    def __init__(self, connect_timeout: float = 5.0, io_timeout: float = 30.0, *, max_sessions: int = MAX_SESSIONS,
+                 request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
+        self.max_sessions, self.request_deadline_s = max_sessions, request_deadline_s
 
     def holder_store(self, recycle: bool) -> VersionStore:
         """Versions are held in memory and streamed by the holder's sessions."""
         return VersionStore(recycle=recycle)
 
     def listen(self, host: str, port: int, handler: Callable[[BulkConn], None]) -> TcpListener:
-        return TcpListener(host, port, handler, self.io_timeout)
+        return TcpListener(host, port, handler, self.io_timeout, max_sessions=self.max_sessions,
+                           request_deadline_s=self.request_deadline_s)
 
     def connect(self, address: str) -> TcpConn:
         return tcp_connect(address, self.connect_timeout, self.io_timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -389,3 +390,53 @@ def test_recycle_packs_into_the_retired_version_buffers(closing: list[object]) -
     srv._store.release(held2)
     assert [b.ctypes.data for b in held2.buckets] == ptrs  # same memory, no fresh page faults
     _assert_bit_exact(_client("tcp", closing).fetch(m2, [srv.address]), dict(sd2))
+
+
+def test_idle_oversized_and_trickling_peers_cost_a_holder_bounded_sessions(closing: list[object]) -> None:
+    """300 idle connections, a header announcing a 16 MiB request, and a peer sending a byte every 0.3 s: the
+    holder runs at most ``max_sessions`` sessions, refuses the oversized header at once (before any allocation
+    or token check), drops the trickle at the request deadline, and a real fetch completes afterwards."""
+    import socket
+
+    from dora_rl.infra.weights.protocol import MAGIC
+
+    srv = make_weight_server("tcp", TOKEN, bucket_bytes=256 << 10, max_sessions=16, request_deadline_s=1.0)
+    closing.append(srv)
+    m = srv.serve(1, TinyLM(1).state_dict())
+    host, port = srv.address.rsplit(":", 1)
+
+    def sessions() -> int:
+        return sum(t.name == "weights-tcp-conn" for t in threading.enumerate())
+
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, int(port)))
+            idle.append(s)
+        time.sleep(0.5)
+        assert 0 < sessions() <= 16
+        for s in idle:
+            s.close()
+        idle.clear()
+        _eventually(lambda: sessions() == 0, 10.0)
+        big = socket.create_connection((host, int(port)), timeout=5)
+        big.sendall(MAGIC + (16 << 20).to_bytes(4, "big"))
+        t0 = time.monotonic()
+        assert big.recv(1) == b"" and time.monotonic() - t0 < 0.5  # closed at once, nothing sent
+        big.close()
+        trickle = socket.create_connection((host, int(port)), timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            for b in MAGIC + (100).to_bytes(4, "big") + b"{" * 100:
+                trickle.send(bytes([b]))
+                time.sleep(0.3)
+        assert time.monotonic() - t0 < 3.0  # dropped at the 1 s deadline, not after 100 x 0.3 s
+        trickle.close()
+    finally:
+        for s in idle:
+            s.close()
+    cli = _client("tcp", closing)
+    out = cli.fetch(m, [srv.address])
+    _assert_bit_exact(out, dict(TinyLM(1).state_dict()))
