@@ -26,6 +26,7 @@ MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "partial_unbounded"
 PARTIAL_MODES: tuple[str, ...] = ("partial", "partial_unbounded")
 """The partial-rollout baselines: stragglers aborted and resumed under the newest weights (C1 broken by design)."""
 WeightTransport = Literal["ucx", "tcp", "file"]
+WeightDigest = Literal["fast", "blake2b"]
 EngineKind = Literal["torch", "emulated", "vllm"]
 
 
@@ -223,6 +224,11 @@ class DoraConfig:
     """How weights move from trainer to instances and between instances: ``ucx`` (default),
     ``tcp`` (plain sockets, same interface; chosen explicitly, never as a silent fallback) or
     ``file`` (the same checksummed buckets as files in a directory on a shared file system)."""
+
+    weight_digest: WeightDigest = "fast"
+    """The weight buckets' digest in the (signed) announcement: ``fast`` (xxh3 or crc32: catches corruption,
+    not an attacker) or ``blake2b`` (collision-resistant: a bucket rewritten in flight is refused; costs ~1 s
+    of hashing per GB on one core, at publish and at fetch)."""
 
     seed: int = 0
     """Seed of the dataset, model initialisation and sampling."""

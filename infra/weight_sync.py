@@ -34,7 +34,7 @@ class Publisher:
     """Serves the versions of one run over ``transport`` (``ucx`` | ``tcp`` | ``file``)."""
 
     def __init__(self, transport: str, run_id: str, run_dir: Path, token: str, keep: int = 3,
-                 endpoints: Endpoints | None = None) -> None:
+                 endpoints: Endpoints | None = None, checksum_algo: str | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.transport = transport
@@ -45,7 +45,8 @@ class Publisher:
         self._served: list[int] = []
         ep = endpoints or Endpoints.from_env()
         self._server = make_weight_server(transport, token, ep.bind_host, directory=self.dir,
-                                          advertised_host=ep.advertised, **ep.weight_transport_options(transport))
+                                          advertised_host=ep.advertised, checksum_algo=checksum_algo,
+                                          **ep.weight_transport_options(transport))
 
     @property
     def endpoint(self) -> str:

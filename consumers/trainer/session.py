@@ -26,6 +26,7 @@ from pathlib import Path
 from dora_rl.config import DoraConfig
 from dora_rl.core.training_input import trajectory_problem
 from dora_rl.infra.weight_sync import Publisher
+from dora_rl.infra.weights.checksum import AUTHENTICATED
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
 from . import checkpoint
@@ -149,7 +150,9 @@ def start_session(config: DoraConfig, run_id: str, run_dir: Path, token: str, in
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     state = build_state(config, device="cpu" if config.trainer_ranks > 1 else None)
-    publisher = Publisher(config.weight_transport, run_id, run_dir, token, keep=config.max_staleness + 2)
+    digest = AUTHENTICATED if config.weight_digest == "blake2b" else None
+    publisher = Publisher(config.weight_transport, run_id, run_dir, token, keep=config.max_staleness + 2,
+                          checksum_algo=digest)
     vocab = getattr(state.model.config, "vocab_size", None)
     if config.vocab_size and vocab != config.vocab_size:
         raise ValueError(f"the run records vocab_size {config.vocab_size}, but model {config.model} has {vocab}: "

@@ -68,11 +68,13 @@ def make_weight_server(
     faults: FaultInjection | None = None,
     directory: str | os.PathLike[str] | None = None,
     advertised_host: str | None = None,
+    checksum_algo: str | None = None,
     **transport_options: Any,
 ) -> WeightServer:
     """A holder over transport ``kind`` (never a silent fallback): on ``host:port`` for ``"ucx"`` and
     ``"tcp"``, announced as ``advertised_host:port`` when given; publishing into ``directory`` for
-    ``"file"`` (required there, ignored by the others)."""
+    ``"file"`` (required there, ignored by the others). ``checksum_algo``: the buckets' digest
+    (``checksum.py``; default the fast one, ``"blake2b"`` authenticates them)."""
     return WeightServer(
         _make_transport(kind, directory, **transport_options),
         token,
@@ -82,6 +84,7 @@ def make_weight_server(
         recycle=recycle,
         faults=faults,
         advertised_host=advertised_host,
+        checksum_algo=checksum_algo,
     )
 
 

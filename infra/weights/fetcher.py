@@ -43,6 +43,7 @@ from .protocol import (
     Transport,
     WeightChannelError,
     WeightFetchError,
+    credentials,
 )
 from .streams import StreamResult, run_stream, split_buckets
 
@@ -97,7 +98,7 @@ class WeightClient:
         """A holder's ``{"active_transfers": int, "versions": [int]}``."""
         conn = self._transport.connect(holder)
         try:
-            conn.send_msg({"proto": PROTO, "token": self._token, "op": "status"})
+            conn.send_msg({"proto": PROTO, **credentials(self._token), "op": "status"})
             reply = conn.recv_msg()
         finally:
             conn.close()
@@ -222,7 +223,7 @@ class WeightClient:
                     conn = self._transport.connect(h)
                     try:
                         conn.send_msg(
-                            {"proto": PROTO, "token": self._token, "op": "bye", **conn.request_extras()}
+                            {"proto": PROTO, **credentials(self._token), "op": "bye", **conn.request_extras()}
                         )
                         conn.recv_msg()
                     finally:

@@ -11,7 +11,6 @@ reply (``go``); ``active_transfers`` counts sessions between acquire and release
 
 from __future__ import annotations
 
-import hmac
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 from .fetcher import check_token
 from .manifest import DEFAULT_BUCKET_BYTES, WeightManifest, pack_state_dict, verify_bucket
 from .plan import request_segments
-from .protocol import PROTO, BulkConn, Transport, WeightChannelError
+from .protocol import PROTO, BulkConn, Transport, WeightChannelError, authorized
 from .store import FaultInjection, HeldVersion, HolderStore
 
 
@@ -41,8 +40,10 @@ class WeightServer:
         recycle: bool = False,
         faults: FaultInjection | None = None,
         advertised_host: str | None = None,
+        checksum_algo: str | None = None,
     ) -> None:
         self.kind = transport.kind
+        self.checksum_algo = checksum_algo
         self._transport = transport
         self._token = check_token(token)
         self._store: HolderStore = transport.holder_store(recycle)
@@ -67,7 +68,8 @@ class WeightServer:
         """Pack ``state_dict`` (one copy: the snapshot served) and hold it as ``version``; with
         ``recycle`` into the buffers of the last retired version when the layout is the same."""
         manifest, buckets = pack_state_dict(
-            state_dict, self.bucket_bytes, version=version, alloc=self._store.take_spare
+            state_dict, self.bucket_bytes, version=version, alloc=self._store.take_spare,
+            checksum_algo=self.checksum_algo,
         )
         self._store.put(HeldVersion(manifest, tuple(buckets)))
         return manifest
@@ -125,7 +127,7 @@ class WeightServer:
         if req.get("proto") != PROTO:
             conn.send_msg({"ok": False, "error": f"protocol {req.get('proto')!r} unsupported (want {PROTO})"})
             return
-        if not hmac.compare_digest(str(req.get("token", "")).encode(), self._token.encode()):
+        if not authorized(self._token, req):
             with self._lock:
                 self.refusals += 1
             conn.send_msg({"ok": False, "error": "unauthorized: wrong token for this run's weight channel"})

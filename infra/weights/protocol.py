@@ -8,19 +8,24 @@ messages for ``ucx``). The *passive* ``file`` transport has no holder process: i
 answers the same messages itself from the holder's directory and reads the segments from the
 holder's files (``file.py``), so the fetcher runs one algorithm for every kind.
 
-Request ``{"proto": 1, "token": str, "op": "status" | "fetch" | "bye", "version": int,
-"buckets": [int], ...transport fields}`` (``bye``: a fetcher leaving, so the holder drops what it
+Request ``{"proto": 2, "nonce": str, "proof": str, "op": "status" | "fetch" | "bye", "version": int,
+"buckets": [int], ...transport fields}`` (``proof = HMAC-SHA256(run token, nonce)``, :func:`credentials`:
+the token itself never travels; ``bye``: a fetcher leaving, so the holder drops what it
 caches for it). Reply ``{"ok": false, "error": str}`` (nothing else follows), or for
 ``status`` ``{"ok": true, "active_transfers": int, "versions": [int]}``, or for ``fetch``
 ``{"ok": true, "version": int, "buckets": [int]}``; the fetcher checks that reply and answers
 ``{"go": true}`` (or hangs up: it refused), then the holder sends the segments of those buckets in
-order and a trailer ``{"done": true, "bytes": int}``. A holder checks the token before anything else
-and sends no weight byte to a wrong token, nor before ``go``.
+order and a trailer ``{"done": true, "bytes": int}``. A holder checks the proof before anything else
+and sends no weight byte without a valid one, nor before ``go``. A recorded request can be replayed (it
+reads weights the wire shows anyway); it cannot be turned into a valid request for anything else.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 import select
 import socket
 import time
@@ -32,7 +37,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .store import HolderStore
 
-PROTO = 1
+PROTO = 2
 MAGIC = b"DWC1"
 MAX_CONTROL = 16 << 20
 MAX_REQUEST = 64 << 10
@@ -62,6 +67,21 @@ class HolderFailed(WeightChannelError):
 
 class WeightFetchError(WeightChannelError):
     """No holder could deliver every bucket of a version intact."""
+
+
+def credentials(token: str) -> dict[str, str]:
+    """The request fields that show knowledge of ``token`` without sending it: a fresh nonce and its proof."""
+    nonce = secrets.token_hex(16)
+    return {"nonce": nonce, "proof": hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()}
+
+
+def authorized(token: str, request: Mapping[str, Any]) -> bool:
+    """Whether ``request`` carries a valid proof of ``token`` (constant-time comparison)."""
+    nonce, proof = request.get("nonce"), request.get("proof")
+    if not isinstance(nonce, str) or not isinstance(proof, str) or not 16 <= len(nonce) <= 128:
+        return False
+    expected = hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(proof.encode(), expected.encode())
 
 
 # ---------------------------------------------------------------------------------------- framing

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .manifest import WeightManifest
 from .plan import ReceivePlan, Segment, request_segments
-from .protocol import PROTO, HolderFailed, HolderRefused, Transport, WeightChannelError
+from .protocol import PROTO, HolderFailed, HolderRefused, Transport, WeightChannelError, credentials
 
 
 def split_buckets(manifest: WeightManifest, buckets: list[int], groups: int) -> list[list[int]]:
@@ -120,7 +120,7 @@ def run_stream(
         return r
     verifier: _Verifier | None = None
     try:
-        req = {"proto": PROTO, "token": token, "op": "fetch", "version": manifest.version}
+        req = {"proto": PROTO, **credentials(token), "op": "fetch", "version": manifest.version}
         conn.send_msg({**req, "buckets": r.buckets, **conn.request_extras()})
         r.contacted = True
         reply = conn.recv_msg()

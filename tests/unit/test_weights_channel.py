@@ -10,6 +10,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -329,7 +330,7 @@ def test_ucx_same_host_profile_only_for_same_host(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fetcher_vanishing_mid_transfer_does_not_wedge_the_holder(kind: str, closing: list[object]) -> None:
-    from dora_rl.infra.weights.protocol import PROTO
+    from dora_rl.infra.weights.protocol import PROTO, credentials
 
     big = {f"w{i}": torch.randn(1024, 1024) for i in range(8)}  # 32 MiB: more than socket buffers hold
     srv = _server(kind, closing)
@@ -338,7 +339,7 @@ def test_fetcher_vanishing_mid_transfer_does_not_wedge_the_holder(kind: str, clo
     conn = transport.connect(srv.address)
     req = {
         "proto": PROTO,
-        "token": TOKEN,
+        **credentials(TOKEN),
         "op": "fetch",
         "version": 1,
         "buckets": list(range(len(m.buckets))),
@@ -440,3 +441,92 @@ def test_idle_oversized_and_trickling_peers_cost_a_holder_bounded_sessions(closi
     cli = _client("tcp", closing)
     out = cli.fetch(m, [srv.address])
     _assert_bit_exact(out, dict(TinyLM(1).state_dict()))
+
+
+def _crc32_keeping_rewrite(buf: np.ndarray, at: int, evil: bytes, patch_at: int) -> None:
+    """Write ``evil`` at ``at`` in ``buf`` and 4 bytes at ``patch_at`` so that its crc32 is unchanged (crc32 is
+    affine over GF(2): the 32 single-bit flips of the patch span every crc difference)."""
+    import zlib
+
+    n, zero = buf.nbytes, zlib.crc32(bytes(buf.nbytes))
+
+    def image(diff: dict[int, int]) -> int:  # the crc difference a byte-wise xor ``diff`` makes
+        d = bytearray(n)
+        for i, v in diff.items():
+            d[i] = v
+        return zlib.crc32(bytes(d)) ^ zero
+
+    before = zlib.crc32(buf.tobytes())
+    target = image({at + i: buf[at + i] ^ b for i, b in enumerate(evil)})
+    rows = [(image({patch_at + k // 8: 1 << (k % 8)}), 1 << k) for k in range(32)]  # (crc image, patch bits)
+    pivots: list[tuple[int, int]] = []
+    for img, bits in rows:  # Gaussian elimination over GF(2), one pivot per leading crc bit
+        for p_img, p_bits in pivots:
+            if img ^ p_img < img:
+                img, bits = img ^ p_img, bits ^ p_bits
+        if img:
+            pivots.append((img, bits))
+    pivots.sort(reverse=True)
+    solution = 0
+    for p_img, p_bits in pivots:
+        if target ^ p_img < target:
+            target, solution = target ^ p_img, solution ^ p_bits
+    assert target == 0, "crc32 patch not found"
+    buf[at:at + len(evil)] = np.frombuffer(evil, dtype=np.uint8)
+    for i in range(4):
+        buf[patch_at + i] ^= (solution >> (8 * i)) & 0xFF
+    assert zlib.crc32(buf.tobytes()) == before
+
+
+@pytest.mark.parametrize(("algo", "refused"), [("crc32", False), ("blake2b", True)])
+def test_a_bucket_rewritten_to_keep_its_crc32_is_refused_only_under_the_authenticated_digest(
+    algo: str, refused: bool, closing: list[object]
+) -> None:
+    """A holder (a compromised peer, or anyone on the path) rewrites a bucket so that its crc32 still matches
+    the signed announcement: crc32 lets it through (the attack is real), blake2b refuses it."""
+    model = TinyLM(1)
+    srv = make_weight_server("tcp", TOKEN, bucket_bytes=256 << 10, checksum_algo=algo)
+    closing.append(srv)
+    m = srv.serve(1, model.state_dict())
+    assert m.checksum_algo == algo
+    held = srv._store.acquire(1)
+    assert held is not None
+    largest = max(held.buckets, key=lambda b: b.nbytes)
+    _crc32_keeping_rewrite(largest, 4096, b"EVIL" * 4, 8192)
+    srv._store.release(held)
+    cli = _client("tcp", closing)
+    if refused:
+        with pytest.raises(WeightFetchError, match="checksum|corrupt|refused"):
+            cli.fetch(m, [srv.address])
+    else:
+        out = cli.fetch(m, [srv.address])
+        assert any(not torch.equal(_bits(out[k]), _bits(v)) for k, v in model.state_dict().items())
+
+
+def test_the_run_token_never_travels_on_the_weight_channel(closing: list[object]) -> None:
+    """A fetcher proves it knows the token (HMAC of a fresh nonce); what a listener on the path sees holds no
+    token, and a proof made with another token is refused."""
+    import socket
+
+    from dora_rl.infra.weights.protocol import authorized, credentials
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def eavesdrop() -> None:
+        conn, _ = listener.accept()
+        with conn:  # one request, then hang up: the fetcher gives up on this holder
+            conn.settimeout(5)
+            seen.append(conn.recv(65536))
+
+    t = threading.Thread(target=eavesdrop, daemon=True)
+    t.start()
+    cli = _client("tcp", closing)
+    with pytest.raises(WeightFetchError):
+        cli.fetch(_server("tcp", closing).serve(1, TinyLM(1).state_dict()),
+                  [f"127.0.0.1:{listener.getsockname()[1]}"])
+    t.join(10)
+    listener.close()
+    wire = b"".join(seen)
+    assert b"proof" in wire and TOKEN.encode() not in wire
+    assert authorized(TOKEN, credentials(TOKEN)) and not authorized(TOKEN, credentials("another-token"))
