@@ -69,7 +69,17 @@ def ensure_broker(bootstrap: str | None) -> str:
     if not broker.is_running():
         print("starting the embedded Kafka broker (first start fetches the jars with Maven) ...", file=sys.stderr)
         broker.start()
+    if broker.security is None:
+        print(f"note: {SINGLE_USER_NOTE}", file=sys.stderr)
     return broker.bootstrap_servers
+
+
+SINGLE_USER_NOTE = (
+    "the embedded broker is single-user: PLAINTEXT on 127.0.0.1 with no principals, so anyone who can reach it "
+    "can read and write the run's topics. Signed announcements and code-free checkpoints keep them from taking "
+    "over the weights; nothing keeps them from disturbing the run. On a shared machine: `dora-rl broker start "
+    "--secure` (SASL_SSL, a user per role, ACLs)")
+"""Said by ``dora-rl run`` whenever it uses the embedded broker without security (issue 32)."""
 
 
 def prepare_topics(bootstrap: str, num_partitions: int, instances: int = topics.MAX_INSTANCES) -> dict[str, str]:

@@ -496,7 +496,7 @@ def test_a_bucket_rewritten_to_keep_its_crc32_is_refused_only_under_the_authenti
     srv._store.release(held)
     cli = _client("tcp", closing)
     if refused:
-        with pytest.raises(WeightFetchError, match="checksum|corrupt|refused"):
+        with pytest.raises(WeightFetchError, match=r"checksum|corrupt|refused"):
             cli.fetch(m, [srv.address])
     else:
         out = cli.fetch(m, [srv.address])

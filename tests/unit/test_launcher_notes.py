@@ -1,0 +1,30 @@
+"""What ``dora-rl run`` tells its user before a run (``launcher.ensure_broker``, ``launcher.run_notes``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from dora_rl import launcher
+
+
+@dataclass
+class _Broker:
+    security: object | None
+    bootstrap_servers: str = "127.0.0.1:9092"
+
+    def is_running(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("secured", [False, True])
+def test_the_embedded_broker_is_said_to_be_single_user_unless_secured(
+    secured: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(launcher, "embedded_broker", lambda: _Broker(object() if secured else None))
+    assert launcher.ensure_broker(None) == "127.0.0.1:9092"
+    said = capsys.readouterr().err
+    assert ("single-user" in said) is not secured
+    if not secured:
+        assert "anyone who can reach it" in said and "dora-rl broker start --secure" in said
