@@ -273,6 +273,20 @@ def eval_summary(progress: Progress) -> dict[str, Any]:
     return out
 
 
+EXTERNAL_WAIT_NOTE_S = 30.0
+"""Seconds without a step after which a run scored by an outside service says what it waits for."""
+
+
+def waiting_note(config: DoraConfig, idle_s: float, started: bool) -> str | None:
+    """What a run that trains nothing for ``idle_s`` seconds after version 0 (``started``) is waiting for,
+    when the launcher can tell: an external reward service that may not be running."""
+    if config.reward_service != "external" or not started or idle_s < EXTERNAL_WAIT_NOTE_S:
+        return None
+    return (f"waiting for scores: no step for {idle_s:.0f} s, and this run's trajectories are scored by an outside "
+            f"service (--reward external). Is one running and reading {topics.TRAJECTORIES}? "
+            "(docs/integration.md)")
+
+
 def run_notes(config: DoraConfig) -> list[str]:
     """What a user should know before reading a run's figures (printed under its first line)."""
     notes = []
@@ -324,7 +338,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     trainer_exit: float | None = None
     tb = TensorBoardLog(rdir / "tensorboard")
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", disable=quiet, file=sys.stderr)
-    last_progress = time.monotonic()
+    last_progress, waited_note = time.monotonic(), False
     try:
         while not progress.done:
             seen_steps = len(progress.rewards)
@@ -333,7 +347,10 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
                 if isinstance(env_rec.record, Metric):
                     tb.observe(env_rec.record)
             if len(progress.rewards) > seen_steps or progress.version0_ms is None:
-                last_progress = time.monotonic()
+                last_progress, waited_note = time.monotonic(), False
+            elif not waited_note and (waiting := waiting_note(config, time.monotonic() - last_progress, True)):
+                bar.write(f"note: {waiting}", file=sys.stderr)
+                waited_note = True
             elif time.monotonic() - last_progress > stall_timeout_s:
                 failed = f"no training step for {stall_timeout_s:.0f}s; see {logs}"
                 break

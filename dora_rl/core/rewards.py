@@ -210,7 +210,8 @@ class _Worker:
 
     def __init__(self, spec: str) -> None:
         ours, theirs = socket.socketpair()
-        env = {**worker_env(os.environ), "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        env = {**worker_env(os.environ), "PYTHONPATH": os.pathsep.join([*(p or os.getcwd() for p in sys.path),
+                                                                          os.getcwd()])}  # `mod:fn` in the cwd
         try:
             self.proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT, str(theirs.fileno()), spec],
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,

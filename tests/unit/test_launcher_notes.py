@@ -28,3 +28,14 @@ def test_the_embedded_broker_is_said_to_be_single_user_unless_secured(
     assert ("single-user" in said) is not secured
     if not secured:
         assert "anyone who can reach it" in said and "dora-rl broker start --secure" in said
+
+
+def test_a_run_scored_by_an_outside_service_says_what_it_waits_for() -> None:
+    from dora_rl.config import DoraConfig
+
+    external = DoraConfig(mode="dora", reward_service="external")
+    assert launcher.waiting_note(external, 5.0, True) is None  # not yet
+    assert launcher.waiting_note(external, 40.0, False) is None  # still warming up: version 0 not out
+    note = launcher.waiting_note(external, 40.0, True)
+    assert note is not None and "dora.rollout.trajectories" in note and "--reward external" in note
+    assert launcher.waiting_note(DoraConfig(mode="dora"), 400.0, True) is None  # the built-in scorer: no guess

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +105,15 @@ def test_batch_keeps_order_and_mixes_outcomes(task_runner: RewardRunner) -> None
     out = task_runner.score_many(reqs)
     assert out[0] == 1.0 and isinstance(out[1], RewardError) and out[2] == 0.0
     assert task_runner.score_many([]) == []
+
+
+def test_a_reward_module_in_the_current_directory_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--reward-fn mymod:fn`` run from the folder holding ``mymod.py`` (as ``dora-rl replay rescore`` is)."""
+    (tmp_path / "cwd_reward_mod.py").write_text("def fn(task, reference, completion):\n    return 0.75\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with RewardRunner("cwd_reward_mod:fn", timeout_s=5.0) as runner:
+        assert runner.score("any", "", "") == 0.75
 
 
 def test_entry_point_is_resolved() -> None:
