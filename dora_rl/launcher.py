@@ -39,6 +39,7 @@ from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import child_env, effective
 from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
+from dora_rl.infra.signing import signature_problem
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
@@ -107,6 +108,8 @@ class Progress:
     warmup_s: float = 0.0
     done: bool = False
     extra: dict[str, list[float]] = field(default_factory=dict)
+    token: str = ""
+    """The run's weight token: only a ``done`` signed with it ends the run (none: not checked)."""
     evals: dict[int, Metric] = field(default_factory=dict)
     """Version -> its last ``eval_pass_at_1`` (labels hold the per-prompt outcomes)."""
     eval_s: dict[int, float] = field(default_factory=dict)
@@ -135,7 +138,11 @@ class Progress:
             elif m.name == "sft_s":
                 self.warmup_s = m.value
             elif m.name == "done" and m.value >= self.steps:
-                self.done = True
+                problem = signature_problem(m, self.token, "a trainer's 'done'")
+                if problem is None:
+                    self.done = True
+                else:
+                    log.warning("passed by %s (it would end the run)", problem)
         self.extra.setdefault(f"{m.component}/{m.name}", []).append(m.value)
 
 
@@ -333,7 +340,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
                           {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
                           DeadLetters(producer, "launcher", info.run_id), offsets_map(info),
                           group_suffix=f".{now_ms()}")
-    progress = Progress(steps=config.steps)
+    progress = Progress(steps=config.steps, token=weight_token_file(rdir).read_text().strip())
     failed: str | None = None
     trainer_exit: float | None = None
     tb = TensorBoardLog(rdir / "tensorboard")

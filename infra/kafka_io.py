@@ -276,6 +276,14 @@ class Metrics:
                    ts_ms=now_ms(), step=step, version=version, labels=dict(labels))
         self.producer.send(topics.METRICS, m, f"{self.component}/{name}")
 
+    def emit_signed(self, name: str, value: float, token: str, step: int | None = None) -> None:
+        """Queue one observation a reader acts on, signed with the run's ``token`` (``infra/signing.py``)."""
+        from .signing import signed
+
+        m = Metric(run_id=self.run_id, component=self.component, name=name, value=float(value), ts_ms=now_ms(),
+                   step=step)
+        self.producer.send(topics.METRICS, signed(m, token), f"{self.component}/{name}")
+
 
 def is_record(msg: Message) -> bool:
     """True for a record; False for a partition-EOF event or a retriable error (logged); raises

@@ -15,10 +15,10 @@ Announcement (the endpoint is discoverable without knowing the port in advance):
 1. a log line ``metrics endpoint of <name>: http://<host:port>/metrics``;
 2. a ``Metric`` record on ``dora.metrics`` (component ``<name>``, name ``metrics_endpoint``, value the
    port, labels ``address``, ``url``, ``role``): how tools on other hosts find every endpoint of a run;
-3. the file ``$DORA_HOME/runs/<run>/metrics-endpoints/<name>.json``, in Prometheus ``file_sd`` format
-   (``[{"targets": ["host:port"], "labels": {...}}]``), so a Prometheus on the host scrapes every role
-   of every run with one ``file_sd_configs`` glob (``infra/grafana/prometheus.yml``). The file is removed
-   when the process exits normally.
+3. the file ``$DORA_HOME/metrics-endpoints/<run>.<name>.json``, in Prometheus ``file_sd`` format
+   (``[{"targets": ["host:port"], "labels": {...}}]``): one flat directory, so a Prometheus on the host
+   scrapes every role of every run with one glob in the last path segment (the only place ``file_sd``
+   allows one; ``infra/grafana/prometheus.yml``). The file is removed when the process exits normally.
 """
 
 from __future__ import annotations
@@ -83,11 +83,16 @@ def requested_port(env: dict[str, str] | None = None) -> int:
     return port
 
 
-def endpoints_dir(run_id: str) -> Path:
-    """``$DORA_HOME/runs/<run>/metrics-endpoints``."""
+def endpoints_dir() -> Path:
+    """``$DORA_HOME/metrics-endpoints``: every endpoint file of every run on this host."""
     from .kafka_dist import dora_home
 
-    return dora_home() / "runs" / run_id / "metrics-endpoints"
+    return dora_home() / "metrics-endpoints"
+
+
+def endpoint_file(run_id: str, name: str) -> Path:
+    """The ``file_sd`` file of role ``name`` of run ``run_id``."""
+    return endpoints_dir() / f"{run_id}.{name}.json"
 
 
 def serve(bootstrap: str, run_id: str, role: str, name: str) -> MetricsEndpoint | None:
@@ -117,7 +122,7 @@ def serve(bootstrap: str, run_id: str, role: str, name: str) -> MetricsEndpoint 
 
 
 def _write_file(endpoint: MetricsEndpoint) -> None:
-    path = endpoints_dir(endpoint.run_id) / f"{endpoint.name}.json"
+    path = endpoint_file(endpoint.run_id, endpoint.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(endpoint.file_sd(), indent=1))
@@ -149,4 +154,5 @@ def _announce(bootstrap: str, endpoint: MetricsEndpoint) -> None:
         log.warning("metrics endpoint of %s not announced on %s: %s", endpoint.name, "dora.metrics", exc)
 
 
-__all__ = ["METRICS_ENV", "PORT_ENV", "MetricsEndpoint", "enabled", "endpoints_dir", "requested_port", "serve"]
+__all__ = ["METRICS_ENV", "PORT_ENV", "MetricsEndpoint", "enabled", "endpoint_file", "endpoints_dir", "requested_port",
+           "serve"]

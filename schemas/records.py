@@ -428,6 +428,7 @@ class Metric(Record):
     step: int | None = None
     version: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    signature: str | None = None
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
     producer.init_transactions(60)  # fences and aborts any predecessor (a zombie can never announce)
     dlq = DeadLetters(producer, COMPONENT, run_id)
     metrics = Metrics(producer, run_id, COMPONENT)
-    session = start_session(config, run_id, run_dir, token or secrets.token_hex(16),
-                            f"{os.getpid()}-{secrets.token_hex(3)}")
+    token = token or secrets.token_hex(16)
+    session = start_session(config, run_id, run_dir, token, f"{os.getpid()}-{secrets.token_hex(3)}")
     state, publisher = session.state, session.publisher
     model, tok, optimizer, lr_schedule = state.model, state.tokenizer, state.optimizer, state.lr_schedule
 
@@ -253,7 +253,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 evaluate_if_due(step)
                 wait_started = time.perf_counter()
         with transaction():
-            metrics.emit("done", step)
+            metrics.emit_signed("done", step, token)  # it ends the run: only the run's trainer may say it
         if ranks is not None:
             ranks.close()
         if step >= config.steps:

@@ -8,8 +8,9 @@ topic) a 900 KB record of garbage. Records with bad meaning: a scored trajectory
 reward; scored copies of three real trajectories just generated, with a NaN, an infinite and an out-of-range
 reward (a hostile external scorer: whichever copy of a real trajectory the assembler meets first, no batch may
 hold a bad reward and every announced version must hold finite weights); an announcement with no holder; a
-forged announcement of a new version held elsewhere, signed with another key (decision 0054); and
-refusals naming a queued and an unknown group. ``dora.runs`` and
+forged announcement of a new version held elsewhere, signed with another key (decision 0054); an unsigned
+``done`` of the trainer at the run's last step (it would end the run early and record it FINISHED; the launcher
+passes it by, decision 0057); and refusals naming a queued and an unknown group. ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
 live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
 readers of that topic (and partition) wrote one.
@@ -97,7 +98,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     from dora_rl.infra.announcements import sign
     from dora_rl.infra.kafka_io import read_all
     from dora_rl.schemas.codec import DecodeError
-    from dora_rl.schemas.records import DeadLetter, PolicyVersion
+    from dora_rl.schemas.records import DeadLetter, Metric, PolicyVersion
 
     out = tmp_path / "summary.json"
     launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, CONFIG, json_out=out)
@@ -138,6 +139,8 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
                                  (no_holder, topics.VERSIONS, "no_holder"),
                                  (forged, topics.VERSIONS, "forged_announcement"),
+                                 (Metric(run_id=run_id, component="trainer", name="done", value=CONFIG["steps"],
+                                         ts_ms=0), topics.METRICS, "forged_done"),
                                  (queued, topics.DLQ, "refusal_of_queued_group"),
                                  (unknown, topics.DLQ, "refusal_of_unknown_group")):
             value, headers = rec.encode()  # type: ignore[attr-defined]
@@ -226,7 +229,7 @@ def _readers(topic: str, partition: int, kind: str) -> set[str]:
     trajectory with a NaN reward decodes (the orchestrator passes it by) and is refused by the assembler."""
     if kind.endswith("_reward"):
         return {"assembler"}
-    if kind.startswith("refusal_of"):
+    if kind.startswith("refusal_of") or kind == "forged_done":  # valid records: read, acted on or passed by
         return set()  # a dead letter is read, not refused: the audit shows the group trained (nothing missing)
     return {"dora.prompts": {"orchestrator"}, "dora.rollout.requests": {f"rollout-{partition}"},
             "dora.rollout.tokens": {"orchestrator"}, "dora.rollout.trajectories": {"orchestrator", "scorer"},

@@ -1,8 +1,10 @@
 """The roles' Prometheus endpoints, scraped during a live run (real broker, dora mode, emulated engine).
 
 The trainer's and a rollout instance's ``/metrics`` are found through the endpoint files the roles
-write (``$DORA_HOME/runs/<run>/metrics-endpoints/<name>.json``, Prometheus ``file_sd`` format) and
-scraped while the run is going: both report consumer lag on their own topic-partitions, the instance
+write (``$DORA_HOME/metrics-endpoints/<run>.<name>.json``, Prometheus ``file_sd`` format) and
+scraped while the run is going, by this test and by a real Prometheus (Debian's, started on the shipped
+``infra/grafana/prometheus.yml`` copied into ``$DORA_HOME``, after ``promtool`` checked it): both report
+consumer lag on their own topic-partitions, the instance
 its held version and state, and the trainer a staleness histogram whose counts, per bucket, are exactly
 what the audit counts over the same batches. The run ends with its plot beside each ``summary.json``.
 """
@@ -11,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -36,8 +41,42 @@ def scrape(address: str) -> dict[str, list[Any]]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-def endpoint(rdir: Path, name: str) -> str:
-    return json.loads((rdir / "metrics-endpoints" / f"{name}.json").read_text())[0]["targets"][0]
+def endpoint(run_id: str, name: str) -> str:
+    from dora_rl.infra.prom_serve import endpoint_file
+
+    return str(json.loads(endpoint_file(run_id, name).read_text())[0]["targets"][0])
+
+
+def start_prometheus(dora_home: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str] | None:
+    """Debian's Prometheus on the shipped config, copied into ``dora_home`` (its relative paths resolve there),
+    after ``promtool`` checked it; None where Prometheus is not installed (a failure under ``CI=true``)."""
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("prometheus is required in CI (make setup-prometheus installs Debian's)")
+        return None
+    grafana = Path(__file__).resolve().parents[2] / "infra" / "grafana"
+    for name in ("prometheus.yml", "dora-alerts.yml"):
+        shutil.copy(grafana / name, dora_home / name)
+    check = subprocess.run(["promtool", "check", "config", str(dora_home / "prometheus.yml")], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["prometheus", f"--config.file={dora_home / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def prometheus_value(url: str, query: str) -> float | None:
+    """The first value of instant ``query`` on the Prometheus at ``url`` (None: no result yet)."""
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/query?query={urllib.parse.quote(query)}", timeout=10) as r:
+            result = json.loads(r.read())["data"]["result"]
+    except OSError:
+        return None
+    return float(result[0]["value"][1]) if result else None
 
 
 def value(fams: dict[str, list[Any]], family: str, sample: str | None = None, **labels: str) -> float | None:
@@ -59,17 +98,22 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     cfg.write_text(json.dumps(CONFIG))
     runs = dora_home / "runs"
     known = {d.name for d in runs.iterdir()} if runs.exists() else set()
+    prometheus = start_prometheus(dora_home, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("DORA_METRICS", "DORA_METRICS_PORT")}
     launcher = subprocess.Popen([sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap,
                                  "--config", str(cfg), "--json", str(out), "--quiet"], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env)
     try:
-        wait_for(lambda: runs.exists() and any((d / "metrics-endpoints" / "trainer.json").exists()
-                                               for d in runs.iterdir() if d.name not in known), 120, "the trainer")
-        rdir = next(d for d in runs.iterdir() if d.name not in known and (d / "metrics-endpoints").exists())
-        run_id = rdir.name
-        wait_for(lambda: (rdir / "metrics-endpoints" / "rollout-0.json").exists(), 60, "rollout-0's endpoint")
-        trainer, rollout = endpoint(rdir, "trainer"), endpoint(rdir, "rollout-0")
+        from dora_rl.infra.prom_serve import endpoint_file
+
+        def new_run() -> str | None:
+            fresh = [d.name for d in runs.iterdir() if d.name not in known] if runs.exists() else []
+            return next((r for r in fresh if endpoint_file(r, "trainer").exists()), None)
+        wait_for(lambda: new_run() is not None, 120, "the trainer's endpoint file")
+        run_id = str(new_run())
+        rdir = runs / run_id
+        wait_for(lambda: endpoint_file(run_id, "rollout-0").exists(), 60, "rollout-0's endpoint")
+        trainer, rollout = endpoint(run_id, "trainer"), endpoint(run_id, "rollout-0")
 
         # the trainer, mid-run: a scrape is one consistent snapshot (steps x TBS == histogram count)
         seen: dict[str, list[Any]] = {}
@@ -106,12 +150,23 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
         assert (value(inst, "dora_records_sent", "dora_records_sent_total", topic=topics.TRAJECTORIES) or 0) > 0
         assert value(inst, "dora_role_info", run_id=run_id, role="rollout", name="rollout-0") == 1
 
+        if prometheus is not None:  # the shipped config found both roles through their files and scrapes them
+            url = prometheus[1]
+            for role in ("trainer", "rollout"):
+                wait_for(lambda r=role: prometheus_value(url, f'up{{job="dora",run_id="{run_id}",role="{r}"}}') == 1,
+                         60, f"Prometheus scraping the {role}")
+            wait_for(lambda: (prometheus_value(url, f'dora_trainer_steps_total{{run_id="{run_id}"}}') or 0) >= 1,
+                     60, "the trainer's steps in Prometheus")
+
         code = launcher.wait(timeout=300)
         log = launcher.stdout.read().decode() if launcher.stdout else ""
         assert code == 0, log[-3000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        if prometheus is not None:
+            prometheus[0].kill()
+            prometheus[0].wait()
 
     # the histogram agrees with the audit over the same batches (the first `steps_scraped` steps)
     info = get_run(bootstrap, run_id)
@@ -133,5 +188,5 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     # every run ends with its plot, beside both summaries
     assert (rdir / "summary.png").stat().st_size > 10_000
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (rdir / "metrics-endpoints" / "trainer.json").exists()  # removed when the role exited
+    assert not endpoint_file(run_id, "trainer").exists()  # removed when the role exited
 

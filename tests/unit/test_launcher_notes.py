@@ -39,3 +39,17 @@ def test_a_run_scored_by_an_outside_service_says_what_it_waits_for() -> None:
     note = launcher.waiting_note(external, 40.0, True)
     assert note is not None and "dora.rollout.trajectories" in note and "--reward external" in note
     assert launcher.waiting_note(DoraConfig(mode="dora"), 400.0, True) is None  # the built-in scorer: no guess
+
+
+def test_only_a_done_signed_with_the_runs_token_ends_the_run() -> None:
+    """A forged ``done`` (anyone who can write ``dora.metrics``) would end the run and record it FINISHED."""
+    from dora_rl.infra.signing import signed
+    from dora_rl.schemas.records import Metric
+
+    done = Metric(run_id="r", component="trainer", name="done", value=12.0, ts_ms=0)
+    for forged in (done, signed(done, "another run's token")):
+        progress = launcher.Progress(steps=12, token="the run's token")
+        progress.observe(forged)
+        assert not progress.done
+    progress.observe(signed(done, "the run's token"))
+    assert progress.done
