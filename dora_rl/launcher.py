@@ -103,6 +103,8 @@ class Progress:
     instance_versions: dict[str, int] = field(default_factory=dict)
     max_versions_live: int = 0
     """The most distinct versions the instances held at one time (DORA: more than one)."""
+    versions_since_shown: set[int] = field(default_factory=set)
+    """Versions the instances held since the progress line last showed them (the line shows, then clears)."""
     version0_ms: int | None = None
     last_step_ms: int | None = None
     warmup_s: float = 0.0
@@ -119,6 +121,7 @@ class Progress:
             self.instance_versions[record.instance_id] = int(record.loaded_version)
             live = {v for v in self.instance_versions.values() if v >= 0}
             self.max_versions_live = max(self.max_versions_live, len(live))
+            self.versions_since_shown |= live
             return
         m: Metric = record
         if m.component == "trainer":
@@ -365,9 +368,9 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
                 bar.update(len(progress.rewards) - bar.n)
                 last = max(progress.rewards)
                 elapsed = max(1e-9, ((progress.last_step_ms or 0) - (progress.version0_ms or 0)) / 1000)
-                live = sorted(set(progress.instance_versions.values()))
+                served, progress.versions_since_shown = sorted(progress.versions_since_shown), set()
                 bar.set_postfix(reward=f"{progress.rewards[last]:.3f}",
-                                tok_s=f"{sum(progress.tokens.values()) / elapsed:.0f}", versions=str(live))
+                                tok_s=f"{sum(progress.tokens.values()) / elapsed:.0f}", versions=str(served))
             pids = [p.pid for p in sup.processes().values()]
             failed = sup.check()
             if failed:
