@@ -55,7 +55,7 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
     """Run ``warmup + steps`` training steps; returns per-step timings (measured steps only) and checks.
     ``repartition_policy``: DORA's (``migrate`` / ``drain`` / ``consolidate``); ``None``: the config's default."""
     from dora_rl.config import DoraConfig
-    from dora_rl.streams.scheduling import make_scheduler
+    from dora_rl.streams.rules import make_scheduler
 
     k = max_staleness + 1
     rbs = instances * capacity // group_size * group_size

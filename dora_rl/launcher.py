@@ -293,8 +293,7 @@ def waiting_note(config: DoraConfig, idle_s: float, started: bool) -> str | None
     if config.reward_service != "external" or not started or idle_s < EXTERNAL_WAIT_NOTE_S:
         return None
     return (f"waiting for scores: no step for {idle_s:.0f} s, and this run's trajectories are scored by an outside "
-            f"service (--reward external). Is one running and reading {topics.TRAJECTORIES}? "
-            "(docs/integration.md)")
+            "service (--reward external). Is one running and scoring the run's trajectories? (docs/integration.md)")
 
 
 def run_notes(config: DoraConfig) -> list[str]:

@@ -50,8 +50,8 @@ from dora_rl.schemas.records import (
 )
 
 from .processor import Context, InRecord, Ref, dead_letter_for
+from .rules import make_scheduler
 from .scheduler_state import dump_state, load_state, payloads
-from .scheduling import make_scheduler
 
 log = logging.getLogger(__name__)
 COMPONENT = "orchestrator"

@@ -4,7 +4,7 @@ No Kafka and no clock here: the orchestrator process (and the discrete-event sim
 in (prompts, version announcements with the time they were seen, completions, consumed batches,
 aborted partials, timer ticks) and carries out what comes back (dispatches, cancels, resumes, batch
 plans). Every mode implements one interface, :class:`SchedulingRules`, so the orchestrator and the
-simulator drive each mode the same way with no probing of its type; :func:`make_scheduler` picks the
+simulator drive each mode the same way with no probing of its type; :func:`.rules.make_scheduler` picks the
 rules of ``config.mode``.
 
 Versions: version ``v`` is the policy after ``v`` updates; train step ``k`` starts from ``k``.
@@ -312,15 +312,3 @@ class Scheduler(Generic[P]):
         st = self.state
         return (f"latest={st.latest_version} waves={st.waves_dispatched} consumed={st.consumed_steps} "
                 f"in_flight={len(st.in_flight)} queued_prompts={len(self._prompts)}")
-
-
-def make_scheduler(config: DoraConfig) -> SchedulingRules[Any]:
-    """The scheduling rules of ``config.mode``."""
-    from .dora_policy import DoraScheduler
-    from .partial_policy import PartialScheduler
-
-    if config.mode == "dora":
-        return DoraScheduler(config)
-    if config.mixes_versions:
-        return PartialScheduler(config)
-    return Scheduler(config)

@@ -52,7 +52,8 @@ from dora_rl.core.emulation import (
 from dora_rl.core.instance_policy import next_version, startable
 
 from .batching import BatchAssembler
-from .scheduling import SchedulingRules, make_scheduler
+from .rules import make_scheduler
+from .scheduling import SchedulingRules
 
 STALL_TICKS = 10_000
 """Timer ticks in a row with no other event after which a run is declared stalled (an error)."""

@@ -55,14 +55,11 @@ from typing import Any, Literal
 
 from dora_rl.core import verifiers  # the named verifiers of BUILTIN; imports no heavy package
 from dora_rl.core.training_input import reward_problem
+from dora_rl.core.verifiers import UnknownTaskError
 
 RewardFn = Callable[[str, str, str], float]
 RewardErrorKind = Literal["timeout", "raised", "invalid", "unknown_task", "crashed"]
 _DETAIL_MAX = 1000  # characters of an exception message or bad value kept in an error
-
-
-class UnknownTaskError(KeyError):
-    """Raised by a reward function for a task it does not score (outcome kind ``unknown_task``)."""
 
 
 @lru_cache(maxsize=64)

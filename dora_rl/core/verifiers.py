@@ -30,6 +30,11 @@ from typing import Any
 
 from dora_rl.core.prompt_data import GYM_PREFIX, dumps_tagged, loads_tagged, parse_gym_reference
 
+
+class UnknownTaskError(KeyError):
+    """Raised by a reward function for a task it does not score (outcome kind ``unknown_task``)."""
+
+
 _BOXED = re.compile(r"\\boxed\s*\{")
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _ANSWER = re.compile(r"answer\s*:", re.I)
@@ -193,12 +198,10 @@ def reasoning_gym_reward(task: str, reference: str, completion: str) -> float:
     entry); the dataset is rebuilt with that config (cached per worker) because some datasets'
     ``score_answer`` reads its config, and called as ``score_answer(extract_gym_answer(completion,
     entry["answer"]), entry)``. A ``task`` not starting with ``reasoning_gym:`` is not handled
-    (:class:`~dora_rl.core.rewards.UnknownTaskError`); one naming another dataset than the
+    (:class:`UnknownTaskError`); one naming another dataset than the
     reference raises ValueError.
     """
     if not task.startswith(GYM_PREFIX):
-        from dora_rl.core.rewards import UnknownTaskError
-
         raise UnknownTaskError(f"reward 'reasoning_gym' scores tasks 'reasoning_gym:<name>', not {task!r}")
     name, config, entry = parse_gym_reference(reference)
     if task != GYM_PREFIX + name:

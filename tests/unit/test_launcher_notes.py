@@ -37,7 +37,7 @@ def test_a_run_scored_by_an_outside_service_says_what_it_waits_for() -> None:
     assert launcher.waiting_note(external, 5.0, True) is None  # not yet
     assert launcher.waiting_note(external, 40.0, False) is None  # still warming up: version 0 not out
     note = launcher.waiting_note(external, 40.0, True)
-    assert note is not None and "dora.rollout.trajectories" in note and "--reward external" in note
+    assert note is not None and "scoring the run's trajectories" in note and "--reward external" in note
     assert launcher.waiting_note(DoraConfig(mode="dora"), 400.0, True) is None  # the built-in scorer: no guess
 
 
