@@ -130,3 +130,47 @@ def test_metrics_tail_example_prints_the_run_metrics(example_run: dict[str, Any]
     res = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "trainer/reward_mean step=0" in res.stdout and "reward-service/scored_total" in res.stdout
+
+
+def test_faust_example_aggregates_the_runs_rewards_by_version(example_run: dict[str, Any]) -> None:
+    """``examples/faust_reward_by_version.py`` (a Faust agent and table) over the finished run: its table holds
+    every scored trajectory of the run once, with the first scored copy's reward, and its per-version means
+    are those computed from the topic directly."""
+    import asyncio
+    import importlib.util
+    import time
+    import uuid
+
+    from confluent_kafka.admin import AdminClient
+
+    from dora_rl.infra import topics
+
+    spec = importlib.util.spec_from_file_location("faust_reward_by_version", EXAMPLES / "faust_reward_by_version.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    bootstrap, run_id = example_run["bootstrap"], example_run["run_id"]
+    first: dict[str, tuple[int, float]] = {}
+    for _, _, t in sorted(_scored(bootstrap, run_id), key=lambda x: (x[0], x[1])):
+        first.setdefault(t.trajectory_id, (int(t.policy_version), float(t.reward)))
+    want = example.by_version(first.values())
+    assert len(want) >= 2, "the run should span several versions"
+    partitions = len(AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics[topics.SCORED]
+                     .partitions)
+    app, table = example.build_app(bootstrap, run_id, REPO / "schemas", partitions,
+                                   app_id=f"faust-example-{uuid.uuid4().hex[:8]}", every_s=1.0)
+
+    async def run() -> dict[str, list[Any]]:
+        await app.start()
+        try:
+            deadline = time.monotonic() + 120
+            while len(table) < len(first) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            return {k: list(v) for k, v in table.items()}
+        finally:
+            await app.stop()
+
+    seen = asyncio.run(run())
+    assert set(seen) == set(first), f"{len(seen)} of {len(first)} trajectories in the Faust table"
+    assert {k: (v[0], v[1]) for k, v in seen.items()} == first
+    assert example.by_version((v[0], v[1]) for v in seen.values()) == want
