@@ -19,7 +19,8 @@ Invariants:
 - reading resolves the registry's writer schema into the current reader schema (Avro rules), and any
   failure is a :class:`codec.DecodeError`, so a caller dead-letters it as it would a schemaless record.
 
-Standard library HTTP only (no new dependency); ids and schemas are cached per client.
+The REST calls are ``confluent_kafka.schema_registry``'s (already a dependency); ids and schemas are cached
+per client.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from __future__ import annotations
 import io
 import json
 import struct
-import urllib.error
-import urllib.parse
-import urllib.request
 from functools import cache
 from typing import Any, TypeVar
 
@@ -41,7 +39,6 @@ from .records import Record
 MAGIC = 0
 HEADER_WIRE = "dora.wire"
 WIRE_CONFLUENT = b"confluent"
-CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 R = TypeVar("R", bound=Record)
 
 
@@ -108,40 +105,31 @@ class RegistryError(RuntimeError):
 
 
 class SchemaRegistry:
-    """A minimal client of the Confluent Schema Registry REST API (register, schema by id)."""
+    """The two registry calls the codec needs (register, schema by id) on ``confluent_kafka``'s own
+    :class:`~confluent_kafka.schema_registry.SchemaRegistryClient` (which caches both); its errors become
+    :class:`RegistryError` naming the URL."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self._ids: dict[tuple[str, str], int] = {}
-        self._schemas: dict[int, str] = {}
+        from confluent_kafka.schema_registry import SchemaRegistryClient
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        req = urllib.request.Request(f"{self.url}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": CONTENT_TYPE, "Accept": CONTENT_TYPE})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            raise RegistryError(f"{method} {self.url}{path}: HTTP {exc.code}: "
-                                f"{exc.read()[:500].decode(errors='replace')}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise RegistryError(f"{method} {self.url}{path}: {exc}") from exc
+        self.url = url.rstrip("/")
+        self._client = SchemaRegistryClient({"url": self.url, "timeout": timeout_s})
 
     def register(self, subject_name: str, schema: str) -> int:
         """The id of ``schema`` under ``subject_name``, registering it when new (idempotent)."""
-        key = (subject_name, schema)
-        if key not in self._ids:
-            path = f"/subjects/{urllib.parse.quote(subject_name, safe='')}/versions"
-            self._ids[key] = int(self._call("POST", path, {"schema": schema, "schemaType": "AVRO"})["id"])
-            self._schemas.setdefault(self._ids[key], schema)
-        return self._ids[key]
+        from confluent_kafka.schema_registry import Schema
+
+        try:
+            return int(self._client.register_schema(subject_name, Schema(schema, "AVRO")))
+        except Exception as exc:
+            raise RegistryError(f"registering {subject_name!r} at {self.url}: {exc}") from exc
 
     def schema(self, schema_id: int) -> str:
         """The schema text registered under ``schema_id``."""
-        if schema_id not in self._schemas:
-            self._schemas[schema_id] = str(self._call("GET", f"/schemas/ids/{schema_id}")["schema"])
-        return self._schemas[schema_id]
+        try:
+            return str(self._client.get_schema(schema_id).schema_str)
+        except Exception as exc:
+            raise RegistryError(f"schema id {schema_id} at {self.url}: {exc}") from exc
 
 
 class ConfluentCodec:
