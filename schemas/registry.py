@@ -19,8 +19,8 @@ Invariants:
 - reading resolves the registry's writer schema into the current reader schema (Avro rules), and any
   failure is a :class:`codec.DecodeError`, so a caller dead-letters it as it would a schemaless record.
 
-The REST calls are ``confluent_kafka.schema_registry``'s (already a dependency); ids and schemas are cached
-per client.
+The REST calls are ``confluent_kafka.schema_registry``'s (``pip install "dora-rl[registry]"`` for what that
+client imports); ids and schemas are cached per client.
 """
 
 from __future__ import annotations
