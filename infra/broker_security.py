@@ -80,8 +80,10 @@ class Grant:
     operation: str
 
 
-def role_grants(role: str) -> tuple[Grant, ...]:
-    """The ACLs a DORA *role* needs (see :data:`ROLES`), derived from the topic catalogue.
+def role_grants(role: str, run_id: str | None = None) -> tuple[Grant, ...]:
+    """The ACLs a DORA *role* needs (see :data:`ROLES`), derived from the topic catalogue; with *run_id*, for
+    that run only: its consumer groups and transactional ids are ``dora.<run_id>.*``, so the principal can
+    neither commit offsets for, nor fence, another run's roles (readers' group ids ``dora-*`` never commit).
 
     Every principal: READ on groups ``dora*`` (its run's groups, the readers' ``dora-reader-*``, …) and READ
     on topics ``dora.*`` (which implies DESCRIBE: metadata, offsets). Reads are not narrowed per topic: a
@@ -93,7 +95,9 @@ def role_grants(role: str) -> tuple[Grant, ...]:
     """
     if role not in ROLES:
         raise ValueError(f"unknown DORA role {role!r}; roles: {ROLES}")
-    out = [Grant("TOPIC", TOPIC_PREFIX, "PREFIXED", "READ"), Grant("GROUP", GROUP_PREFIX, "PREFIXED", "READ")]
+    scope = TRANSACTIONAL_PREFIX if run_id is None else f"dora.{run_id}."
+    groups = [GROUP_PREFIX] if run_id is None else [scope, "dora-"]
+    out = [Grant("TOPIC", TOPIC_PREFIX, "PREFIXED", "READ"), *(Grant("GROUP", g, "PREFIXED", "READ") for g in groups)]
     if role == "operator":
         writers = {"monitor", *OPERATOR_TOOLS}
         out.append(Grant("GROUP", "chaos-", "PREFIXED", "READ"))  # bench/chaos.py's watcher group
@@ -106,7 +110,7 @@ def role_grants(role: str) -> tuple[Grant, ...]:
     names = [s.name for s in topics.catalogue() if writers & set(s.writers)]
     out += [Grant("TOPIC", name, "LITERAL", "WRITE") for name in dict.fromkeys(names)]
     if role in TRANSACTIONAL_ROLES:
-        out.append(Grant("TRANSACTIONAL_ID", TRANSACTIONAL_PREFIX, "PREFIXED", "WRITE"))
+        out.append(Grant("TRANSACTIONAL_ID", scope, "PREFIXED", "WRITE"))
     return tuple(out)
 
 
@@ -344,22 +348,23 @@ class SecurityAdmin:
         except Exception:
             return False
 
-    def grant_role(self, principal: str, role: str) -> int:
-        """Create the ALLOW ACLs of DORA *role* (:func:`role_grants`) for *principal* (``User:<name>``, or a
-        bare user name); returns how many. Idempotent; returns once the broker enforces them."""
+    def grant_role(self, principal: str, role: str, run_id: str | None = None) -> int:
+        """Create the ALLOW ACLs of DORA *role* (:func:`role_grants`, for *run_id* only when given) for
+        *principal* (``User:<name>``, or a bare user name); returns how many. Idempotent; returns once the
+        broker enforces them."""
         from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
 
         principal = principal if ":" in principal else f"User:{principal}"
         kinds = {"TOPIC": ResourceType.TOPIC, "GROUP": ResourceType.GROUP,
                  "TRANSACTIONAL_ID": ResourceType.TRANSACTIONAL_ID, "CLUSTER": ResourceType.BROKER}
         bindings = [AclBinding(kinds[g.resource], g.name, ResourcePatternType[g.pattern], principal, "*",
-                               AclOperation[g.operation], AclPermissionType.ALLOW) for g in role_grants(role)]
+                               AclOperation[g.operation], AclPermissionType.ALLOW) for g in role_grants(role, run_id)]
         for binding, fut in self._admin.create_acls(bindings, request_timeout=self.timeout).items():
             try:
                 fut.result(timeout=self.timeout)
             except Exception as exc:
                 raise BrokerSecurityError(f"granting {role} to {principal}: {binding} failed: {exc}") from exc
-        self._wait(lambda: self._acl_count(principal) >= len(set(role_grants(role))),
+        self._wait(lambda: self._acl_count(principal) >= len(set(role_grants(role, run_id))),
                    f"ACLs of {principal} not visible")
         return len(bindings)
 

@@ -23,7 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, Producer
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from dora_rl.infra import kafka_security as ks
@@ -154,6 +161,32 @@ def test_missing_write_acl_is_topic_authorization_failed(broker: LocalBroker) ->
         producer.flush(60)
     assert time.monotonic() - t0 < 30
     assert exc.value.code_name == "TOPIC_AUTHORIZATION_FAILED" and "TOPIC_AUTHORIZATION_FAILED" in str(exc.value)
+
+
+def test_a_principal_of_one_run_cannot_commit_offsets_for_or_fence_another_runs_roles(broker: LocalBroker) -> None:
+    """Granted for run A only (``grant_role(..., run_id)``): its own group commits and its own transactional id
+    initialises; the same for run B is refused by the broker (issue 32, decision 0057)."""
+    name, pw = f"carol-{uuid.uuid4().hex[:6]}", f"pw-{uuid.uuid4().hex}"
+    admin = broker.admin()
+    admin.create_user(name, pw)
+    admin.grant_role(f"User:{name}", "scorer", run_id="runA")
+    carol = user(broker, name, pw)
+    offsets = AdminClient(ks.client_config(broker.bootstrap_servers, security=carol))
+    for run, allowed in (("runA", True), ("runB", False)):
+        commit = offsets.alter_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(f"dora.{run}.scorer", [TopicPartition(topics.SCORED, 0, 0)])])
+        if allowed:
+            [f.result(30) for f in commit.values()]
+        else:
+            with pytest.raises(KafkaException, match="GROUP_AUTHORIZATION_FAILED"):
+                [f.result(30) for f in commit.values()]
+        p = Producer(ks.client_config(broker.bootstrap_servers, security=carol,
+                                      **{"transactional.id": f"dora.{run}.scorer"}))
+        if allowed:
+            p.init_transactions(30)
+        else:
+            with pytest.raises(KafkaException, match="TRANSACTIONAL_ID_AUTHORIZATION_FAILED"):
+                p.init_transactions(30)
 
 
 def test_consumer_without_acls_fails_fast(broker: LocalBroker) -> None:
