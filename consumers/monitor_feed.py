@@ -17,7 +17,7 @@ import time
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
 from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
-from dora_rl.infra.lag import committed_lag
+from dora_rl.infra.lag import committed_lag, for_run_state
 from dora_rl.infra.runs import get_run, offsets_map
 from dora_rl.schemas.records import (
     DeadLetter,
@@ -76,8 +76,8 @@ class RunFeed:
         """The roles' committed lag and the run's state, now."""
         self._refreshed = time.monotonic()
         try:
-            lag = tuple(committed_lag(self.bootstrap, self.run_id))
             state = get_run(self.bootstrap, self.run_id).state
+            lag = tuple(for_run_state(committed_lag(self.bootstrap, self.run_id), state))
         except Exception as exc:
             log.warning("lag/state refresh failed: %s", exc)
             return

@@ -20,6 +20,7 @@ Two sources of positions, both reduced by :func:`lag_rows`:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -89,6 +90,18 @@ class HighWatermarks:
         self._consumer.close()
 
 
+ENDED_STATES = ("FINISHED", "FAILED")
+
+
+def for_run_state(rows: Iterable[PartitionLag], state: str) -> list[PartitionLag]:
+    """``rows`` as a run in ``state`` owes them: a run that ended (:data:`ENDED_STATES`) has no lag. Its
+    roles stopped reading; what came after their last commit (the instances' last heartbeats, the final
+    announcements, a transaction's commit marker) was never theirs to read, so no row counts it."""
+    if state not in ENDED_STATES:
+        return list(rows)
+    return [dataclasses.replace(r, position=max(r.position, r.high)) for r in rows]
+
+
 def run_groups(group_ids: Iterable[str], run_id: str) -> list[str]:
     """The consumer groups of run ``run_id`` (``dora.<run>.<component>``), sorted."""
     prefix = f"dora.{run_id}."
@@ -121,4 +134,5 @@ def committed_lag(bootstrap: str, run_id: str, timeout: float = 10.0) -> list[Pa
     return [row for group in sorted(committed) for row in lag_rows(group, committed[group], high)]
 
 
-__all__ = ["HighWatermarks", "PartitionLag", "committed_lag", "lag_rows", "live_lag", "run_groups"]
+__all__ = ["ENDED_STATES", "HighWatermarks", "PartitionLag", "committed_lag", "for_run_state", "lag_rows", "live_lag",
+           "run_groups"]

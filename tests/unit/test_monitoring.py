@@ -62,6 +62,17 @@ def test_lag_is_high_minus_position_and_unknowns_have_no_row() -> None:
         ["dora.r1.rollout-0", "dora.r1.trainer"]
 
 
+def test_a_run_that_ended_has_no_lag() -> None:
+    """What came after its roles' last commits (heartbeats, announcements, a commit marker) is not theirs to
+    read: ``monitor`` and ``dashboard`` show 0 once the run is FINISHED or FAILED, the lag while it runs."""
+    from dora_rl.infra.lag import for_run_state
+
+    rows = [PartitionLag("dora.r1.orchestrator", "dora.instances", 0, 100, 122), PartitionLag("g", "t", 1, 5, 5)]
+    assert [r.lag for r in for_run_state(rows, "STARTED")] == [22, 0]
+    for state in ("FINISHED", "FAILED"):
+        assert [r.lag for r in for_run_state(rows, state)] == [0, 0]
+
+
 class FakeConsumer:
     """assignment / position / cached watermarks, like confluent_kafka.Consumer's local calls."""
 
