@@ -67,6 +67,7 @@ from dora_rl.consumers.audit_checks import (
     refused_groups,
     waste,
 )
+from dora_rl.consumers.replay.source import RecordSource, decoded
 from dora_rl.infra import topics
 from dora_rl.infra.announcements import announcement_problem
 from dora_rl.infra.kafka_io import read_all
@@ -401,6 +402,21 @@ def audit_run(bootstrap: str, run_id: str | None = None, token: str = "") -> Aud
     chunks = _records(bootstrap, info.run_id, topics.TOKENS, TokenChunk, start(topics.TOKENS))
     statuses = _records(bootstrap, info.run_id, topics.INSTANCES, InstanceStatus, start(topics.INSTANCES))
     return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token)
+
+
+def audit_source(source: RecordSource, token: str = "") -> AuditReport:
+    """Audit the run a replay source holds (an archive: ``dora-rl audit --from-archive DIR``) exactly as
+    :func:`audit_run` audits it on Kafka: the same records, decoded the same way (undecodable ones skipped)."""
+    info = source.run_info()
+
+    def records(topic: str, cls: type[Record]) -> list[Any]:
+        return [rec for _, rec in decoded(source, topic, cls)]
+
+    return audit_records(info.run_id, DoraConfig.from_json(info.config_json),
+                         records(topics.REQUESTS, RolloutRequest), records(topics.TRAJECTORIES, Trajectory),
+                         records(topics.BATCHES, TrainBatch), records(topics.DLQ, DeadLetter),
+                         records(topics.VERSIONS, PolicyVersion), records(topics.TOKENS, TokenChunk),
+                         records(topics.INSTANCES, InstanceStatus), token)
 
 
 def report_json(report: AuditReport) -> str:

@@ -209,13 +209,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra.runs import get_run
+    from dora_rl.consumers.audit import audit_run, audit_source
     from dora_rl.roles import run_token
 
-    bootstrap = _bootstrap(args)
-    run_id = get_run(bootstrap, args.run).run_id
-    report = audit_run(bootstrap, run_id, run_token(run_id))
+    if args.from_archive:  # no broker: the archive holds the run's records (and its token is not in it)
+        from dora_rl.consumers.replay.archive import ArchiveSource
+
+        source = ArchiveSource(Path(args.from_archive))
+        report = audit_source(source, args.token_file.read_text().strip() if args.token_file else "")
+    else:
+        from dora_rl.infra.runs import get_run
+
+        bootstrap = _bootstrap(args)
+        run_id = get_run(bootstrap, args.run).run_id
+        report = audit_run(bootstrap, run_id, run_token(run_id))
     print(report.render())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))
@@ -319,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("audit", parents=[common], help="check C1-C3 of a run from its topics")
     p.add_argument("--run", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--from-archive", default=None, metavar="DIR", help="audit a run archive instead of Kafka")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="with --from-archive: the run's weight-token file, to refuse forged announcements too")
     p.set_defaults(func=cmd_audit)
     return parser
 

@@ -223,6 +223,18 @@ def test_cli_verbs_run_from_an_archive_without_a_broker(source: KafkaSource, tmp
     assert pq.read_table(tmp_path / "e.parquet").num_rows == \
         sum(1 for raw, _ in decoded(source, topics.SCORED, Trajectory) if raw.version == 2)
 
+    # the audit of the archive is the audit of the run on Kafka, count for count (with the run's token too)
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.roles import run_token
+
+    token_file = tmp_path / "token"
+    token_file.write_text(run_token(source.run_info().run_id))
+    assert main(["audit", "--from-archive", str(tmp_path / "arch"), "--token-file", str(token_file), "--json",
+                 str(tmp_path / "a.json")]) == 0
+    on_kafka = audit_run(source.bootstrap, source.run_info().run_id, run_token(source.run_info().run_id))
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads(json.dumps(on_kafka.to_dict()))
+    assert on_kafka.verdict == "PASS"
+
 
 def test_records_deleted_by_retention_are_refused_with_the_reason(bootstrap: str, source: KafkaSource,
                                                                   tmp_path: Path) -> None:
