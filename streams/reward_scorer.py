@@ -6,7 +6,7 @@ a restarted scorer neither loses nor repeats a committed score, and a zombie is 
 consumers read ``read_committed``.
 
 Pluggable: the reward comes from a scoring function (in a run,
-:class:`dora_rl.core.rewards.RewardRunner` running ``DoraConfig.reward_fn`` in a worker process with
+:class:`dora_rl.infra.reward_worker.RewardRunner` running ``DoraConfig.reward_fn`` in a worker process with
 ``reward_timeout_s`` per call; in tests, any function). The trajectories received since the last
 punctuation go to it as one batch.
 
@@ -38,9 +38,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from dora_rl.core.rewards import RewardError, RewardRequest, RewardRunner
+from dora_rl.core.rewards import RewardError, RewardRequest
 from dora_rl.infra import topics
 from dora_rl.infra.keys import make_key, partition_for
+from dora_rl.infra.reward_worker import RewardRunner
 from dora_rl.schemas.records import Metric, Trajectory
 
 from .processor import Context, InRecord, dead_letter_for

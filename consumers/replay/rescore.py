@@ -2,7 +2,7 @@
 
 Reads the run's trajectories (``dora.rollout.scored`` by default, or ``dora.rollout.trajectories``,
 whose reward is null), keeps the first record of each trajectory id, scores every one with
-``reward_fn`` (default: the run's) in :class:`~dora_rl.core.rewards.RewardRunner` — the scorer's
+``reward_fn`` (default: the run's) in :class:`~dora_rl.infra.reward_worker.RewardRunner` — the scorer's
 runner: same worker process, timeout and validity rule, same request (task, reference, response
 text) — and reports, per GRPO group, the recorded and the new rewards and GRPO advantages.
 
@@ -22,8 +22,9 @@ from typing import Any
 
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer.update import Sample, compute_advantages, trainable
-from dora_rl.core.rewards import RewardError, RewardRequest, RewardRunner
+from dora_rl.core.rewards import RewardError, RewardRequest
 from dora_rl.infra import topics
+from dora_rl.infra.reward_worker import RewardRunner
 from dora_rl.schemas.records import Trajectory
 
 from .source import RecordSource, decoded

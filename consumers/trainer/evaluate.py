@@ -3,7 +3,7 @@
 Called by the trainer role at version 0, every ``eval_every`` versions and at the last one, on the
 run's held-out prompts (:func:`dora_rl.prompt_source.heldout_prompts`: rows never trained on). One
 evaluation = greedy decoding (``do_sample=False``, at most ``max_new_tokens``) of every prompt, each
-completion scored by the run's reward function through :class:`~dora_rl.core.rewards.RewardRunner`
+completion scored by the run's reward function through :class:`~dora_rl.infra.reward_worker.RewardRunner`
 (the same function and timeout as the scorer; a refused call scores 0 and is counted in ``refused``).
 
 Definitions (tested in ``tests/unit/test_evaluate.py``):
@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from dora_rl.core.prompt_data import PromptRow
-from dora_rl.core.rewards import RewardRequest, RewardRunner
+from dora_rl.core.rewards import RewardRequest
+from dora_rl.infra.reward_worker import RewardRunner
 from dora_rl.modeling import decode_completion, encode_prompt
 
 CORRECT_AT = 1.0 - 1e-9

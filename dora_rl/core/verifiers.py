@@ -1,7 +1,7 @@
 """Verifiers: reward functions ``fn(task, reference, completion) -> float`` for real prompt data.
 
 Registered in :data:`dora_rl.core.rewards.BUILTIN` (run them through
-:class:`~dora_rl.core.rewards.RewardRunner`, which owns the timeout):
+:class:`~dora_rl.infra.reward_worker.RewardRunner`, which owns the timeout):
 
 * ``"math"`` (:func:`math_reward`): math-verify equivalence of the completion's final answer with
   the reference (``\\frac12``, ``\\frac{1}{2}``, ``0.5`` and ``1/2`` are equal);

@@ -97,3 +97,23 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
     edges = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert sum(map(len, edges.values())) > 300, "the import graph looks empty: the resolver is broken"
     assert _cycles(edges) == [], "import cycles (deferred imports count)"
+
+
+PROCESS_AND_IO = ("subprocess", "socket", "multiprocessing", "pyarrow")
+"""What the shared rules (``dora_rl.core``) never import: processes, sockets, columnar file I/O."""
+STILL_READS_FILES = {"dora_rl.core.prompt_data": {"pyarrow"}}
+"""Known and left (issue 34): prompt data's Parquet reader is still beside its pure rules."""
+
+
+def test_the_rules_import_no_process_socket_or_columnar_io() -> None:
+    found: dict[str, set[str]] = {}
+    for name, path in _modules().items():
+        if not name.startswith("dora_rl.core"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            hit = {n.split(".")[0] for n in names} & set(PROCESS_AND_IO)
+            if hit - STILL_READS_FILES.get(name, set()):
+                found.setdefault(name, set()).update(hit)
+    assert not found, f"dora_rl.core imports process or I/O machinery (belongs in infra or the app): {found}"

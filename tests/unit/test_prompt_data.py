@@ -19,8 +19,9 @@ from dora_rl.core.prompt_data import (
     split,
     train_order,
 )
-from dora_rl.core.rewards import RewardRequest, RewardRunner
+from dora_rl.core.rewards import RewardRequest
 from dora_rl.core.verifiers import reasoning_gym_reward
+from dora_rl.infra.reward_worker import RewardRunner
 
 RECORDS = [{"id": f"q{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i) if i % 2 else 2 * i,
             "level": i % 3} for i in range(40)]

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dora_rl.core.rewards import RewardError, RewardRequest, RewardRunner, call_reward, resolve_reward_fn
+from dora_rl.core.rewards import RewardError, RewardRequest, call_reward, resolve_reward_fn
 from dora_rl.core.tasks import get_task
+from dora_rl.infra.reward_worker import RewardRunner
 
 HERE = __name__
 

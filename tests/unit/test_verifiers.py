@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dora_rl.core.prompt_data import DataSpec, gym_reference, load_rows
-from dora_rl.core.rewards import BUILTIN, RewardError, RewardRequest, RewardRunner, UnknownTaskError
+from dora_rl.core.rewards import BUILTIN, RewardError, RewardRequest, UnknownTaskError
 from dora_rl.core.verifiers import (
     exact_reward,
     extract_boxed,
@@ -22,6 +22,7 @@ from dora_rl.core.verifiers import (
     math_reward,
     reasoning_gym_reward,
 )
+from dora_rl.infra.reward_worker import RewardRunner
 
 HERE = __name__
 
