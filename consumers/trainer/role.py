@@ -164,8 +164,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         again = session.restore(announced)
         step = session.step
         with transaction():  # every live version served again by this incarnation
-            for ann in again:  # as a holder: only the trainer's first announcement of a version is on VERSIONS
-                producer.send(topics.HOLDERS, ann, make_key(ann.version, "policy"))
+            for ann in again:
+                producer.send(topics.VERSIONS, ann, make_key(ann.version, "policy"))
             metrics.emit("restored", step, version=step)
         log.info("restored at version %d from %s", step, announced[step].checkpoint_uri)
     else:

@@ -39,7 +39,7 @@ import numpy as np
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import prom, topics
-from dora_rl.infra.announcements import announcement_problem, kind_problem, sign
+from dora_rl.infra.announcements import announcement_problem, sign
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import KafkaSecurityError
@@ -223,11 +223,9 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
               if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
     inst.endpoint = holder.endpoint if holder is not None else ""
     reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
-    versions = RunConsumer(bootstrap, run_id, inst.instance_id,
-                           {topics.VERSIONS: PolicyVersion, topics.HOLDERS: PolicyVersion}, inst_dlq,
+    versions = RunConsumer(bootstrap, run_id, inst.instance_id, {topics.VERSIONS: PolicyVersion}, inst_dlq,
                            start_offsets, group_suffix=f".versions.{now_ms()}")
     known: dict[int, PolicyVersion] = {}
-    more_holders: dict[int, tuple[str, ...]] = {}  # holders announced before the trainer's announcement was read
     gen_thread: threading.Thread | None = None
     gen_error: list[BaseException] = []
 
@@ -305,7 +303,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         if holder is not None:  # serve what we now hold: peers pull from the least-loaded holder
             weights = eng.weights_to_serve()
             if weights is not None:
-                producer.send(topics.HOLDERS, holder.hold(version, weights, inst.held),
+                producer.send(topics.VERSIONS, holder.hold(version, weights, inst.held),
                               make_key(version, "policy"))
         inst.held = version
         metrics.emit("switch_s", time.perf_counter() - t0, version=version)
@@ -319,19 +317,14 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             for env in versions.poll(0.0):
                 ann: PolicyVersion = env.record
                 problem = announcement_problem(ann, check_manifest=fetcher is not None, token=token)
-                problem = problem or kind_problem(ann, PolicyVersion.HOLDER if env.topic == topics.HOLDERS
-                                                  else PolicyVersion.TRAINER)
                 if problem is not None:  # one dead letter per reader, then the next record
                     inst_dlq.refuse(env, problem, "announcement", value=ann.encode()[0])
                     continue
                 v = int(ann.version)
-                if env.topic == topics.HOLDERS:  # only addresses: the weights' checksums are the trainer's
-                    more_holders[v] = more_holders.get(v, ()) + tuple(ann.holders)
+                if v in known and ann.holders[0] not in known[v].holders:  # another holder of v
+                    known[v] = known[v].replace(holders=known[v].holders + tuple(ann.holders))
                 elif v not in known:
                     known[v] = ann
-                if v in known and more_holders.get(v):
-                    extra = tuple(h for h in dict.fromkeys(more_holders.pop(v)) if h not in known[v].holders)
-                    known[v] = known[v].replace(holders=known[v].holders + extra)
             for offset, req in reader.poll(0.02 if inst.pending else 0.2):
                 if req.action == "CANCEL":
                     with inst.lock:
