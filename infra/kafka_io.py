@@ -272,17 +272,18 @@ class Metrics:
     def emit(self, name: str, value: float, step: int | None = None, version: int | None = None,
              **labels: str) -> None:
         """Queue one observation."""
-        m = Metric(run_id=self.run_id, component=self.component, name=name, value=float(value),
-                   ts_ms=now_ms(), step=step, version=version, labels=dict(labels))
-        self.producer.send(topics.METRICS, m, f"{self.component}/{name}")
+        self._send(Metric(run_id=self.run_id, component=self.component, name=name, value=float(value),
+                          ts_ms=now_ms(), step=step, version=version, labels=dict(labels)))
 
     def emit_signed(self, name: str, value: float, token: str, step: int | None = None) -> None:
         """Queue one observation a reader acts on, signed with the run's ``token`` (``infra/signing.py``)."""
         from .signing import signed
 
-        m = Metric(run_id=self.run_id, component=self.component, name=name, value=float(value), ts_ms=now_ms(),
-                   step=step)
-        self.producer.send(topics.METRICS, signed(m, token), f"{self.component}/{name}")
+        self._send(signed(Metric(run_id=self.run_id, component=self.component, name=name, value=float(value),
+                                 ts_ms=now_ms(), step=step), token))
+
+    def _send(self, m: Metric) -> None:
+        self.producer.send(topics.METRICS, m, f"{self.component}/{m.name}")
 
 
 def is_record(msg: Message) -> bool:

@@ -69,10 +69,15 @@ class WeightFetchError(WeightChannelError):
     """No holder could deliver every bucket of a version intact."""
 
 
+def _proof(token: str, nonce: str) -> str:
+    """``HMAC-SHA256(token, nonce)`` in hex."""
+    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
 def credentials(token: str) -> dict[str, str]:
     """The request fields that show knowledge of ``token`` without sending it: a fresh nonce and its proof."""
     nonce = secrets.token_hex(16)
-    return {"nonce": nonce, "proof": hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()}
+    return {"nonce": nonce, "proof": _proof(token, nonce)}
 
 
 def authorized(token: str, request: Mapping[str, Any]) -> bool:
@@ -80,8 +85,7 @@ def authorized(token: str, request: Mapping[str, Any]) -> bool:
     nonce, proof = request.get("nonce"), request.get("proof")
     if not isinstance(nonce, str) or not isinstance(proof, str) or not 16 <= len(nonce) <= 128:
         return False
-    expected = hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
-    return hmac.compare_digest(proof.encode(), expected.encode())
+    return hmac.compare_digest(proof.encode(), _proof(token, nonce).encode())
 
 
 # ---------------------------------------------------------------------------------------- framing
