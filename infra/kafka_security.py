@@ -342,9 +342,18 @@ def write_private(path: Path, text: str) -> None:
 
 
 # -- errors that no retry cures ---------------------------------------------------------------------
+#: An ``_AUTHENTICATION`` error whose detail holds this failed for a local reason (the connection dropped or
+#: timed out during the SASL handshake, e.g. ``... mechanism handshake failed: Local: Broker transport
+#: failure``): librdkafka reconnects, so it is no refusal. A broker's refusal reads ``... failed: Broker: ...``
+#: or ``SASL authentication error: ...``.
+TRANSPORT_DURING_HANDSHAKE = "handshake failed: Local:"
+
+
 def is_security_error(err: KafkaError | None) -> bool:
-    """True if *err* is one of :data:`SECURITY_ERROR_NAMES`."""
-    return err is not None and (err.name() or "") in SECURITY_ERROR_NAMES
+    """True if *err* is one of :data:`SECURITY_ERROR_NAMES` and not a transport failure mid-handshake."""
+    if err is None or (err.name() or "") not in SECURITY_ERROR_NAMES:
+        return False
+    return TRANSPORT_DURING_HANDSHAKE not in (err.str() or "")
 
 
 def check_kafka_error(err: KafkaError | None, where: str = "") -> None:

@@ -157,3 +157,26 @@ def test_broker_material_is_private_and_reused(tmp_path: Path) -> None:
     assert grown.admin_password == m.admin_password
     props = m.server_properties("127.0.0.1", 1, 2)
     assert props["allow.everyone.if.no.acl.found"] == "false" and props["super.users"] == "User:admin;User:controller"
+
+
+@pytest.mark.parametrize(("code", "detail", "fatal"), [
+    ("_AUTHENTICATION", "SASL authentication error: Authentication failed during authentication due to "
+                        "invalid credentials with SASL mechanism SCRAM-SHA-512", True),
+    ("_AUTHENTICATION", "SASL SCRAM-SHA-512 mechanism handshake failed: Broker: Unsupported SASL mechanism: "
+                        "broker's supported mechanisms: PLAIN", True),
+    ("TOPIC_AUTHORIZATION_FAILED", "Broker: Topic authorization failed", True),
+    # the connection dropped during the handshake (seen in CI under load): librdkafka reconnects
+    ("_AUTHENTICATION", "GroupCoordinator: SASL SCRAM-SHA-512 mechanism handshake failed: Local: Broker "
+                        "transport failure: broker's supported mechanisms: (n/a) (after 0ms in state DOWN)", False),
+    ("_TRANSPORT", "Connection refused", False),
+])
+def test_only_refusals_are_fatal(code: str, detail: str, fatal: bool) -> None:
+    from confluent_kafka import KafkaError
+
+    err = KafkaError(getattr(KafkaError, code), detail)
+    assert ks.is_security_error(err) is fatal
+    if fatal:
+        with pytest.raises(ks.KafkaSecurityError, match=code):
+            ks.on_client_error(err)
+    else:
+        ks.on_client_error(err)  # logged, not raised
