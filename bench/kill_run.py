@@ -74,9 +74,9 @@ def main() -> None:
     watch.close()
     summary = json.loads(out.read_text())
     report = audit_run(bootstrap, rdir.name)
-    start = topic_start(offsets_map(get_run(bootstrap, rdir.name)), topics.VERSIONS)
-    checksums: dict[int, set[str]] = {}
-    for msg in read_all(bootstrap, topics.VERSIONS, start):
+    offsets = offsets_map(get_run(bootstrap, rdir.name))
+    checksums: dict[int, set[str]] = {}  # the trainer's and every holder's (a restarted trainer's too)
+    for msg in (m for t in (topics.VERSIONS, topics.HOLDERS) for m in read_all(bootstrap, t, topic_start(offsets, t))):
         ann = PolicyVersion.decode(msg.value(), msg.headers())
         if ann.run_id == rdir.name:
             checksums.setdefault(int(ann.version), set()).add(",".join(b.checksum for b in ann.buckets))

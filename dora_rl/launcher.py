@@ -43,7 +43,7 @@ from dora_rl.infra.signing import signature_problem
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
-from .roles import WEIGHT_TOKEN_FILE, prompts_needed, run_dir
+from .roles import TRAINER_KEY_FILE, WEIGHT_TOKEN_FILE, prompts_needed, run_dir
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ class Progress:
     done: bool = False
     extra: dict[str, list[float]] = field(default_factory=dict)
     token: str = ""
-    """The run's weight token: only a ``done`` signed with it ends the run (none: not checked)."""
+    """The trainer's key (:func:`trainer_key_file`): only a ``done`` signed with it ends the run (none: not
+    checked). Every role holds the weight token, so a ``done`` signed with that is passed by."""
     evals: dict[int, Metric] = field(default_factory=dict)
     """Version -> its last ``eval_pass_at_1`` (labels hold the per-prompt outcomes)."""
     eval_s: dict[int, float] = field(default_factory=dict)
@@ -216,11 +217,25 @@ def with_vocab_size(config: DoraConfig) -> DoraConfig:
 def weight_token_file(rdir: Path) -> Path:
     """``<rdir>/weight-token``, created once (from ``DORA_WEIGHT_TOKEN`` or random), mode 0600: the same
     token across a resume, so restarted holders keep serving their peers."""
-    token_file = rdir / WEIGHT_TOKEN_FILE
-    if not token_file.exists():
-        token_file.touch(mode=0o600)
-        token_file.write_text(os.environ.get("DORA_WEIGHT_TOKEN") or secrets.token_hex(16))
-    return token_file
+    return _secret_file(rdir / WEIGHT_TOKEN_FILE, os.environ.get("DORA_WEIGHT_TOKEN"))
+
+
+def trainer_key_file(rdir: Path) -> Path:
+    """``<rdir>/trainer-key``, created once (random), mode 0600: handed to the trainer alone, which signs its
+    ``done`` with it; the launcher ends a run only on a ``done`` signed with it."""
+    return _secret_file(rdir / TRAINER_KEY_FILE, None)
+
+
+def role_env(role: str, env: dict[str, str], rdir: Path) -> dict[str, str]:
+    """``env`` for ``role``: the trainer alone also gets its key's file (``DORA_TRAINER_KEY_FILE``)."""
+    return {**env, "DORA_TRAINER_KEY_FILE": str(trainer_key_file(rdir))} if role == "trainer" else env
+
+
+def _secret_file(path: Path, value: str | None) -> Path:
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(value or secrets.token_hex(16))
+    return path
 
 
 def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, json_path: Path | None = None,
@@ -320,7 +335,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
           file=sys.stderr)
     for note in run_notes(config):
         print(f"note: {note}", file=sys.stderr)
-    sup = Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, env, index))
+    sup = Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, role_env(role, env, rdir), index))
     for role in ("dataset", "trainer", "scorer", "assembler", "orchestrator"):
         if role == "scorer" and config.reward_service == "external":  # an outside service scores (0022)
             continue
@@ -342,7 +357,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
                           {topics.METRICS: Metric, topics.INSTANCES: InstanceStatus},
                           DeadLetters(producer, "launcher", info.run_id), offsets_map(info),
                           group_suffix=f".{now_ms()}")
-    progress = Progress(steps=config.steps, token=weight_token_file(rdir).read_text().strip())
+    progress = Progress(steps=config.steps, token=trainer_key_file(rdir).read_text().strip())
     failed: str | None = None
     trainer_exit: float | None = None
     tb = TensorBoardLog(rdir / "tensorboard")

@@ -85,6 +85,23 @@ def weight_token() -> str:
 WEIGHT_TOKEN_FILE = "weight-token"
 """The token's file in a run directory, written by ``dora-rl create`` (``launcher.weight_token_file``)."""
 
+TRAINER_KEY_FILE = "trainer-key"
+"""The trainer's own key in a run directory (``launcher.trainer_key_file``): ``dora-rl run`` hands it to the
+trainer alone, which signs its ``done`` with it, so no other role of the run (each holds the weight token)
+can end the run (decision 0057)."""
+
+
+def trainer_key() -> str:
+    """The key the trainer signs its ``done`` with: ``DORA_TRAINER_KEY_FILE``; empty when unset (then the
+    trainer signs with the weight token, as a run started by hand does)."""
+    path = os.environ.get("DORA_TRAINER_KEY_FILE")
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise FileNotFoundError(f"DORA_TRAINER_KEY_FILE={path}: cannot read the trainer's key ({exc})") from exc
+
 
 def run_token(run_id: str) -> str:
     """:func:`weight_token`, else the token ``dora-rl create`` left in this host's run directory, else empty (an
@@ -120,7 +137,8 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
     if role == "trainer":
         from dora_rl.consumers.trainer.role import run_trainer
 
-        run_trainer(bootstrap, info.run_id, config, start, run_dir(info.run_id), token or None, stop.is_set)
+        run_trainer(bootstrap, info.run_id, config, start, run_dir(info.run_id), token or None, stop.is_set,
+                    done_key=trainer_key())
     elif role == "rollout":
         from dora_rl.producers.rollout.worker import run_rollout
 

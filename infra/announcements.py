@@ -40,3 +40,12 @@ def announcement_problem(ann: PolicyVersion, check_manifest: bool, token: str = 
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             return f"announcement of version {ann.version}: invalid manifest: {exc}"
     return None
+
+
+def kind_problem(ann: PolicyVersion, expected: str) -> str | None:
+    """Why ``ann`` is not of the kind its topic carries (``expected``: :attr:`PolicyVersion.TRAINER` on
+    ``dora.policy.versions``, :attr:`PolicyVersion.HOLDER` on ``dora.policy.holders``), or None. One kind per
+    topic lets the broker's ACLs say who may announce a version (decision 0057)."""
+    if ann.announced_by != expected:
+        return f"an announcement by {ann.announced_by!r} where only {expected!r} announcements belong"
+    return None

@@ -45,6 +45,7 @@ TRAJECTORIES = "dora.rollout.trajectories"
 SCORED = "dora.rollout.scored"
 INSTANCES = "dora.instances"
 VERSIONS = "dora.policy.versions"
+HOLDERS = "dora.policy.holders"
 BATCHES = "dora.train.batches"
 DLQ = "dora.dlq"
 METRICS = "dora.metrics"
@@ -248,15 +249,24 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "again elsewhere; a new index joins (streams/membership.py)."),
         TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion",
                   "policy version announcements (weights move out of band), in one order",
-                  writers=("trainer", "rollout"),
+                  writers=("trainer",),
                   readers=("orchestrator", "rollout", "trainer", "audit", "replay", "bench", "monitor", "dashboard"),
                   key="v<version:010d>/policy", partitioning="single", retention_ms=month,
                   max_message_bytes=8 * MIB,
-                  notes="The trainer announces each new version; with the torch engine over ucx/tcp, an "
-                        "instance that loaded a version re-announces it naming itself as an extra holder "
-                        "(peer-to-peer fan-out). " + replay + "`retrain` compares a re-trained step's "
+                  notes="Only the trainer announces here (`announced_by = TRAINER`), so on a secured cluster no "
+                        "other principal can announce a version (decision 0057); extra holders go to "
+                        "`dora.policy.holders`. " + replay + "`retrain` compares a re-trained step's "
                         "weights with the announced checksums of the version it produced, and its loss and "
                         "gradient norm with the announced train metrics."),
+        TopicSpec(HOLDERS, 1, "dora.v1.PolicyVersion",
+                  "extra holders of announced versions (peer-to-peer weight fan-out)",
+                  writers=("rollout", "trainer"), readers=("rollout", "replay", "bench"),
+                  key="v<version:010d>/policy", partitioning="single", retention_ms=month,
+                  max_message_bytes=8 * MIB,
+                  notes="With the torch engine over ucx/tcp, an instance that loaded a version re-announces it "
+                        "here naming itself as a holder (`announced_by = HOLDER`); a restarted trainer re-announces "
+                        "its live versions here. Readers take only the holder addresses, for versions the trainer "
+                        "announced on `dora.policy.versions`: the weights' checksums come from there."),
         TopicSpec(BATCHES, 1, "dora.v1.TrainBatch", "training batches, exactly TBS trajectories inline",
                   writers=("assembler", "replay"),
                   readers=("trainer", "orchestrator", "audit", "replay", "bench", "bench-pipeline", "monitor",

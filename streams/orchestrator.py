@@ -33,7 +33,7 @@ import numpy as np
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra import topics
-from dora_rl.infra.announcements import announcement_problem
+from dora_rl.infra.announcements import announcement_problem, kind_problem
 from dora_rl.infra.keys import make_key
 from dora_rl.schemas.records import (
     BatchPlan,
@@ -105,7 +105,8 @@ class Orchestrator:
                 self.prompts[r.group_id], self.prompt_ref[r.group_id] = r, rec.ref
                 self.rules.add_prompt(r.group_id, r)
         elif rec.topic == topics.VERSIONS:
-            problem = announcement_problem(r, check_manifest=False, token=self.token)
+            problem = (announcement_problem(r, check_manifest=False, token=self.token)
+                       or kind_problem(r, PolicyVersion.TRAINER))
             if problem is not None:  # the instances refuse it too: no version to schedule for
                 letter = dead_letter_for(rec, COMPONENT, self.run_id, problem, "announcement", ctx.wall_ms())
                 ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")

@@ -110,8 +110,10 @@ def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, in
 
 
 def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
-                run_dir: Path, token: str | None = None, stop: Callable[[], bool] = lambda: False) -> None:
-    """Train until ``config.steps`` versions exist (or ``stop()``), announcing each version."""
+                run_dir: Path, token: str | None = None, stop: Callable[[], bool] = lambda: False,
+                done_key: str = "") -> None:
+    """Train until ``config.steps`` versions exist (or ``stop()``), announcing each version; ``done`` is
+    signed with ``done_key`` (the trainer's own key, :data:`dora_rl.roles.TRAINER_KEY_FILE`), else the token."""
     from dora_rl.core.tasks import get_task
     from dora_rl.prompt_source import heldout_prompts
 
@@ -164,8 +166,8 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         again = session.restore(announced)
         step = session.step
         with transaction():  # every live version served again by this incarnation
-            for ann in again:
-                producer.send(topics.VERSIONS, ann, make_key(ann.version, "policy"))
+            for ann in again:  # as a holder: only the trainer's first announcement of a version is on VERSIONS
+                producer.send(topics.HOLDERS, ann, make_key(ann.version, "policy"))
             metrics.emit("restored", step, version=step)
         log.info("restored at version %d from %s", step, announced[step].checkpoint_uri)
     else:
@@ -253,7 +255,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 evaluate_if_due(step)
                 wait_started = time.perf_counter()
         with transaction():
-            metrics.emit_signed("done", step, token)  # it ends the run: only the run's trainer may say it
+            metrics.emit_signed("done", step, done_key or token)  # it ends the run: only the trainer may say it
         if ranks is not None:
             ranks.close()
         if step >= config.steps:

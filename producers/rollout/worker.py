@@ -39,7 +39,7 @@ import numpy as np
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra import prom, topics
-from dora_rl.infra.announcements import announcement_problem, sign
+from dora_rl.infra.announcements import announcement_problem, kind_problem, sign
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka_security import KafkaSecurityError
@@ -48,6 +48,7 @@ from dora_rl.infra.weights.protocol import WeightFetchError
 from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
 from .engine import Engine, GenRequest, GenResult
+from .known_versions import KnownVersions
 from .poison import PoisonGuard
 from .requests import RequestReader, make_engine
 
@@ -223,9 +224,10 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
               if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
     inst.endpoint = holder.endpoint if holder is not None else ""
     reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
-    versions = RunConsumer(bootstrap, run_id, inst.instance_id, {topics.VERSIONS: PolicyVersion}, inst_dlq,
+    versions = RunConsumer(bootstrap, run_id, inst.instance_id,
+                           {topics.VERSIONS: PolicyVersion, topics.HOLDERS: PolicyVersion}, inst_dlq,
                            start_offsets, group_suffix=f".versions.{now_ms()}")
-    known: dict[int, PolicyVersion] = {}
+    known = KnownVersions()
     gen_thread: threading.Thread | None = None
     gen_error: list[BaseException] = []
 
@@ -284,7 +286,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         inst.state = "LOADING"
         inst.heartbeat(force=True)
         t0 = time.perf_counter()
-        ann = known[version]
+        ann = known.announcement(version)
         own = holder.endpoint if holder is not None else ""
         if own and own in ann.holders:  # never fetch from ourselves
             ann = ann.replace(holders=tuple(h for h in ann.holders if h != own))
@@ -292,7 +294,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             fs = eng.load_version(ann, fetcher)
         except WeightFetchError as exc:  # every holder gone (a restarting trainer): wait for a new one
             log.warning("version %d not loaded, waiting for another holder to be announced: %s", version, exc)
-            known.pop(version, None)  # a re-announcement (e.g. by the restarted trainer) brings it back
+            known.on_fetch_failed(version)  # a holder announcement (e.g. by the restarted trainer) ends the wait
             metrics.emit("weights_fetch_failed", 1.0, version=version)
             inst.state = "IDLE"
             return False
@@ -303,7 +305,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         if holder is not None:  # serve what we now hold: peers pull from the least-loaded holder
             weights = eng.weights_to_serve()
             if weights is not None:
-                producer.send(topics.VERSIONS, holder.hold(version, weights, inst.held),
+                producer.send(topics.HOLDERS, holder.hold(version, weights, inst.held),
                               make_key(version, "policy"))
         inst.held = version
         metrics.emit("switch_s", time.perf_counter() - t0, version=version)
@@ -316,15 +318,15 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                 raise RuntimeError("generation failed") from gen_error[0]
             for env in versions.poll(0.0):
                 ann: PolicyVersion = env.record
-                problem = announcement_problem(ann, check_manifest=fetcher is not None, token=token)
+                from_holder = env.topic == topics.HOLDERS
+                problem = (announcement_problem(ann, check_manifest=fetcher is not None, token=token)
+                           or kind_problem(ann, PolicyVersion.HOLDER if from_holder else PolicyVersion.TRAINER))
                 if problem is not None:  # one dead letter per reader, then the next record
                     inst_dlq.refuse(env, problem, "announcement", value=ann.encode()[0])
-                    continue
-                v = int(ann.version)
-                if v in known and ann.holders[0] not in known[v].holders:  # another holder of v
-                    known[v] = known[v].replace(holders=known[v].holders + tuple(ann.holders))
-                elif v not in known:
-                    known[v] = ann
+                elif from_holder:
+                    known.on_holder(ann)
+                else:
+                    known.on_trainer(ann)
             for offset, req in reader.poll(0.02 if inst.pending else 0.2):
                 if req.action == "CANCEL":
                     with inst.lock:
@@ -360,7 +362,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     inst.heartbeat()
                     continue
                 if version != inst.held:
-                    if version not in known:  # wait for its announcement
+                    if not known.loadable(version):  # wait for its announcement, or for a holder
                         inst.heartbeat()
                         continue
                     if not load(version):

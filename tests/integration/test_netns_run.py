@@ -117,8 +117,9 @@ def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> 
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0
     assert sorted(claimed_indices(bootstrap, run_id).values()) == [0, 1]
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.VERSIONS)
-    holders = {h for m in read_all(bootstrap, topics.VERSIONS, start)
+    offsets = offsets_map(get_run(bootstrap, run_id))
+    holders = {h for topic in (topics.VERSIONS, topics.HOLDERS)  # the trainer's, and the instances' as holders
+               for m in read_all(bootstrap, topic, topic_start(offsets, topic))
                for h in PolicyVersion.decode(m.value(), m.headers()).holders}
     lab_ips = {lab.ip(h) for h in ("trainer", "rollout-a", "rollout-b")}
     assert holders and {h.rsplit(":", 1)[0] for h in holders} <= lab_ips, f"holders {holders} not in {lab_ips}"

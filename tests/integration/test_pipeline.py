@@ -160,9 +160,10 @@ def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, s
     from dora_rl.schemas.records import Metric, PolicyVersion
 
     info = get_run(bootstrap, sync_run["run_id"])
-    start = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.VERSIONS}
     anns = []
-    for m in read_all(bootstrap, topics.VERSIONS, start):
+    for m in (m for topic in (topics.VERSIONS, topics.HOLDERS)  # the trainer's; the instance's as a holder
+              for m in read_all(bootstrap, topic, {o.partition: o.offset for o in info.start_offsets
+                                                   if o.topic == topic})):
         try:
             anns.append(PolicyVersion.decode(m.value(), m.headers()))
         except codec.DecodeError:

@@ -68,3 +68,17 @@ def test_the_orchestrator_dead_letters_a_forged_announcement_and_schedules_no_ve
     letters = [o.record for o in out if o.topic == topics.DLQ]
     assert len(letters) == 1 and letters[0].source_offset == 1 and "signature" in letters[0].reason
     assert orch[-1].rules.state.latest == 0  # type: ignore[attr-defined]
+
+
+def test_each_announcement_topic_carries_one_kind_of_announcement() -> None:
+    """Only the trainer announces versions; holders go to their own topic (decision 0057): a HOLDER record on
+    the versions topic, or a TRAINER one on the holders topic, is refused by its readers."""
+    from dora_rl.infra.announcements import kind_problem
+    from dora_rl.schemas.records import PolicyVersion
+
+    ann = PolicyVersion(run_id="r", version=1, step=1, created_ms=0, transport="tcp", holders=("h:1",),
+                        total_bytes=0, checksum_algo="crc32", tensors=(), buckets=())
+    holder = ann.replace(announced_by=PolicyVersion.HOLDER)
+    assert kind_problem(ann, PolicyVersion.TRAINER) is None and kind_problem(holder, PolicyVersion.HOLDER) is None
+    assert "only 'TRAINER'" in str(kind_problem(holder, PolicyVersion.TRAINER))
+    assert "only 'HOLDER'" in str(kind_problem(ann, PolicyVersion.HOLDER))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -41,15 +42,26 @@ def test_a_run_scored_by_an_outside_service_says_what_it_waits_for() -> None:
     assert launcher.waiting_note(DoraConfig(mode="dora"), 400.0, True) is None  # the built-in scorer: no guess
 
 
-def test_only_a_done_signed_with_the_runs_token_ends_the_run() -> None:
-    """A forged ``done`` (anyone who can write ``dora.metrics``) would end the run and record it FINISHED."""
+def test_only_a_done_signed_with_the_trainers_key_ends_the_run() -> None:
+    """A forged ``done`` (anyone who can write ``dora.metrics``) would end the run and record it FINISHED.
+    Every role of the run holds the weight token, so a ``done`` signed with it is passed by too."""
     from dora_rl.infra.signing import signed
     from dora_rl.schemas.records import Metric
 
     done = Metric(run_id="r", component="trainer", name="done", value=12.0, ts_ms=0)
-    for forged in (done, signed(done, "another run's token")):
-        progress = launcher.Progress(steps=12, token="the run's token")
+    for forged in (done, signed(done, "another run's token"), signed(done, "this run's weight token")):
+        progress = launcher.Progress(steps=12, token="the trainer's key")
         progress.observe(forged)
         assert not progress.done
-    progress.observe(signed(done, "the run's token"))
+    progress.observe(signed(done, "the trainer's key"))
     assert progress.done
+
+
+def test_only_the_trainer_gets_its_key(tmp_path: Path) -> None:
+    base = {"DORA_WEIGHT_TOKEN_FILE": str(tmp_path / "weight-token")}
+    for role in ("dataset", "scorer", "assembler", "orchestrator", "rollout"):
+        assert "DORA_TRAINER_KEY_FILE" not in launcher.role_env(role, base, tmp_path)
+    key_file = Path(launcher.role_env("trainer", base, tmp_path)["DORA_TRAINER_KEY_FILE"])
+    assert (key_file.stat().st_mode & 0o777) == 0o600 and len(key_file.read_text()) == 32
+    assert key_file.read_text() != launcher.weight_token_file(tmp_path).read_text()
+    assert launcher.trainer_key_file(tmp_path).read_text() == key_file.read_text()  # created once (a resume)

@@ -63,7 +63,7 @@ def _record_world(config: DoraConfig, seed: int, extra_prompts: int = 0) -> tupl
     n_prompts = (config.steps * config.train_batch_size + config.rollout_batch_size) // config.group_size
     for i in range(n_prompts + extra_prompts):
         push(0.0, topics.PROMPTS, _prompt(i))
-    push(0.0, topics.VERSIONS, SimpleNamespace(version=0, holders=("h",)))
+    push(0.0, topics.VERSIONS, SimpleNamespace(version=0, holders=("h",), announced_by="TRAINER"))
     elastic = config.mode in ELASTIC
     for i in range(3):
         push(0.0, "beat", i)
@@ -120,7 +120,8 @@ def _record_world(config: DoraConfig, seed: int, extra_prompts: int = 0) -> tupl
                     SimpleNamespace(trajectory_id=tid, group_id=tid.rsplit("/", 1)[0])
                     for tid in o.record.trajectory_ids])
                 push(t + 2.0, topics.BATCHES, batch)
-                push(t + 2.5, topics.VERSIONS, SimpleNamespace(version=step + 1, holders=("h",)))
+                push(t + 2.5, topics.VERSIONS, SimpleNamespace(version=step + 1, holders=("h",),
+                                                               announced_by="TRAINER"))
         if orch.done():
             break
     assert orch.done(), "the recorded world must complete the run"
