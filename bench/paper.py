@@ -131,7 +131,7 @@ def settings(mode: str, gpus: int, tps: tuple[int, ...] = (TP,), hop_us: float =
     """The sweep of ``mode`` on ``gpus`` GPUs: sync colocated; the asynchronous modes over the split of
     rollout and trainer GPUs, their usual over-provisioning and vLLM's ``max_num_seqs`` (128 / 256); DORA
     also over its re-partition policy (``migrate`` / ``drain``); every one at each TP of ``tps`` (the all-reduce
-    hop latency ``hop_us`` at a TP other than 4, decision 0041)."""
+    hop latency ``hop_us`` at a TP other than 4, report 0041)."""
     seqs = (128, 256)
     hop = hop_us * 1e-6  # no effect at TP 4 (hardware_costs.step_overhead_s)
     if mode == "sync":

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policies", nargs="+", choices=("migrate", "drain", "consolidate"),
                     default=["migrate", "drain"],
-                    help="DORA's re-partition policies (migrate collapses from 512 GPUs on: decision 0032)")
+                    help="DORA's re-partition policies (migrate collapses from 512 GPUs on: report 0032)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     prov = provenance()

@@ -52,7 +52,7 @@ ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due", "kv_ad
 
 
 HOP_US = 0.5
-"""The all-reduce hop latency at TP 8 (decision 0041: the most the frozen TP-4 overhead allows)."""
+"""The all-reduce hop latency at TP 8 (report 0041: the most the frozen TP-4 overhead allows)."""
 
 
 def sweeps(gpus: int, tps: tuple[int, ...] = (4,)) -> dict[str, list[Setting]]:
