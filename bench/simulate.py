@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, nargs="+", default=[64, 128], help="--paper: cluster sizes")
     ap.add_argument("--workers", type=int, default=2, help="--paper: simulations run in parallel")
     ap.add_argument("--train-mfu", type=float, default=None, help="--paper without --fit: the trainer's MFU")
-    ap.add_argument("--tps", type=int, nargs="+", default=[4], help="--paper: rollout TPs swept (report 0041, docs/reports/)")
+    ap.add_argument("--tps", type=int, nargs="+", default=[4], help="--paper: rollout TPs swept (report 0041)")
     ap.add_argument("--hop-us", type=float, default=0.5, help="--paper: all-reduce hop latency at a TP other than 4")
     args = ap.parse_args(argv)
     if args.paper:

@@ -21,7 +21,8 @@ import random
 from typing import Any
 
 from dora_rl.config import DoraConfig
-from dora_rl.core.prompt_data import DataSpec, PromptRow, identity, load_rows, split, train_order
+from dora_rl.core.prompt_data import DataSpec, PromptRow, split, train_order
+from dora_rl.prompt_files import identity, load_rows
 
 EVAL_SEED_OFFSET = 1_000_003
 """Held-out prompts of a synthetic task come from ``random.Random(seed + EVAL_SEED_OFFSET)``."""

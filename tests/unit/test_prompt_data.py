@@ -12,8 +12,6 @@ from dora_rl.core.prompt_data import (
     PromptRow,
     dumps_tagged,
     epoch_order,
-    identity,
-    load_rows,
     loads_tagged,
     parse_gym_reference,
     split,
@@ -22,6 +20,7 @@ from dora_rl.core.prompt_data import (
 from dora_rl.core.rewards import RewardRequest
 from dora_rl.core.verifiers import reasoning_gym_reward
 from dora_rl.infra.reward_worker import RewardRunner
+from dora_rl.prompt_files import identity, load_rows
 
 RECORDS = [{"id": f"q{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i) if i % 2 else 2 * i,
             "level": i % 3} for i in range(40)]

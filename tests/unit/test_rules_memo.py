@@ -1,4 +1,4 @@
-"""The counted and memoised forms of the planning rules give the answers of the plain forms (report 0027, docs/reports/).
+"""The counted and memoised forms of the planning rules give the answers of the plain forms (report 0027).
 
 `plan_batch` with in-flight deadlines as counts equals it with a list; the planner's refusal memo never
 hides a plan that became possible; the resume queue keeps FIFO order per version and its count; the

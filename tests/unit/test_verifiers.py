@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dora_rl.core.prompt_data import DataSpec, gym_reference, load_rows
+from dora_rl.core.prompt_data import DataSpec, gym_reference
 from dora_rl.core.rewards import BUILTIN, RewardError, RewardRequest, UnknownTaskError
 from dora_rl.core.verifiers import (
     exact_reward,
@@ -23,6 +23,7 @@ from dora_rl.core.verifiers import (
     reasoning_gym_reward,
 )
 from dora_rl.infra.reward_worker import RewardRunner
+from dora_rl.prompt_files import load_rows
 
 HERE = __name__
 
