@@ -25,9 +25,13 @@ Checks (each a count of violations; the run passes when all are zero):
 - **Ids** ``ids_unbalanced``: in a finished run, distinct generated trajectory ids neither trained nor
   refused, plus trained ids never generated (generated = trained + refused; ``ids_by_version``
   reports the three counts per version, in any run).
-- **Versions** ``v_checksum_conflicts``: a version announced (by the trainer or any holder) with two
-  different sets of bucket checksums; ``v_not_increasing``: a trainer announcement whose version is
-  not above every earlier one.
+- **Versions** ``v_checksum_conflicts``: a version announced (by the trainer on ``dora.policy.versions``
+  or any holder on ``dora.policy.holders``) with two different sets of bucket checksums;
+  ``v_not_increasing``: a trainer announcement whose version is not above every earlier one. An
+  announcement of the wrong kind for its topic is refused by every reader, and counted in ``v_refused``.
+- **Writers** ``w_not_as_generated``: batched trajectories whose tokens (version, prompt and response ids)
+  match no copy that an instance wrote on ``dora.rollout.trajectories``: a scored record written by someone
+  other than the instance that generated it was trained (re-fed trajectories of another run aside).
 - **C3** ``c3_over_stale``: batched trajectories with ``base_version - version > max_staleness``.
 - **TBS** ``tbs_wrong_size``: batches whose size is not exactly ``train_batch_size``.
 
@@ -63,13 +67,14 @@ from dora_rl.consumers.audit_checks import (
     first_copies,
     heartbeat_mismatches,
     id_balance,
+    not_as_generated,
     provenance,
     refused_groups,
     waste,
 )
 from dora_rl.consumers.replay.source import RecordSource, decoded
 from dora_rl.infra import topics
-from dora_rl.infra.announcements import announcement_problem
+from dora_rl.infra.announcements import announcement_problem, kind_problem
 from dora_rl.infra.kafka_io import read_all
 from dora_rl.infra.runs import get_run
 from dora_rl.schemas.codec import DecodeError
@@ -113,6 +118,7 @@ class AuditReport:
     c2_untrained_steps: int = 0
     v_checksum_conflicts: int = 0
     v_not_increasing: int = 0
+    w_not_as_generated: int = 0
     steps_requested: int = 0
     refused: int = 0
     refused_groups: list[dict[str, Any]] = field(default_factory=list)
@@ -135,7 +141,7 @@ class AuditReport:
     VIOLATIONS = ("c1_mixed_versions", "c1_instance_mismatch", "c1_request_mismatch", "c1_chunk_mismatch",
                   "c1_heartbeat_mismatch", "c2_duplicated", "c2_not_dispatched", "c2_split_groups", "c2_missing",
                   "c2_duplicate_steps", "c2_untrained_steps", "ids_unbalanced", "v_checksum_conflicts",
-                  "v_not_increasing", "c3_over_stale", "tbs_wrong_size")
+                  "v_not_increasing", "w_not_as_generated", "c3_over_stale", "tbs_wrong_size")
 
     @property
     def complete(self) -> bool:
@@ -208,18 +214,22 @@ def refused_ids(dead_letters: Iterable[DeadLetter]) -> set[str]:
     return out
 
 
-def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion], token: str = "") -> set[int]:
-    """Version checks; returns the versions the trainer announced. With the run's ``token`` an announcement
-    not signed with it is refused, as every reader holding the token refuses it (decision 0054)."""
+def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion], token: str = "",
+                   holders: Iterable[PolicyVersion] = ()) -> set[int]:
+    """Version checks over the trainer's announcements (``versions``) and the holders' (``holders``); returns
+    the versions the trainer announced. With the run's ``token`` an announcement not signed with it is refused,
+    as every reader holding the token refuses it (decision 0054); so is one of the wrong kind for its topic."""
     checksums: dict[int, set[tuple[str, ...]]] = defaultdict(set)
     announced: set[int] = set()
     newest = -1
-    for ann in versions:
-        if announcement_problem(ann, check_manifest=False, token=token) is not None:  # every reader refuses it
+    kinded = [(a, PolicyVersion.TRAINER) for a in versions] + [(a, PolicyVersion.HOLDER) for a in holders]
+    for ann, kind in kinded:
+        if (announcement_problem(ann, check_manifest=False, token=token)
+                or kind_problem(ann, kind)) is not None:  # every reader refuses it
             rep.v_refused += 1
             continue
         checksums[int(ann.version)].add(tuple(b.checksum for b in ann.buckets))
-        if ann.announced_by == PolicyVersion.TRAINER:
+        if kind == PolicyVersion.TRAINER:
             if int(ann.version) <= newest:
                 rep.v_not_increasing += 1
                 rep.examples.append(f"versions: the trainer announced {ann.version} after {newest}")
@@ -237,8 +247,9 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                   dead_letters: Iterable[DeadLetter] = (),
                   announcements: Iterable[PolicyVersion] | None = None,
                   chunks: Iterable[TokenChunk] = (), statuses: Iterable[InstanceStatus] = (),
-                  token: str = "") -> AuditReport:
-    """The audit as a pure function of a run's records (``announcements`` None: no version checks).
+                  token: str = "", holders: Iterable[PolicyVersion] = ()) -> AuditReport:
+    """The audit as a pure function of a run's records (``announcements`` None: no version checks;
+    ``holders``: the holder announcements of ``dora.policy.holders``).
 
     ``trajectories`` are the generated ones (``dora.rollout.trajectories``, regenerated copies
     included), ``chunks`` the token chunks and ``statuses`` the instance heartbeats.
@@ -343,8 +354,12 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
             rep.examples.append(f"ids: {len(balance.never_generated)} trained trajectories never generated, "
                                 f"e.g. {balance.never_generated[:3]}")
     rep.waste_trajectories, rep.waste_tokens = waste(first, extra, balance.refused)
+    altered = not_as_generated(trajectories, [t for b in batches for t in b.trajectories
+                                              if t.trajectory_id not in reused])
+    rep.w_not_as_generated = len(altered)
+    rep.examples.extend(f"writers: {tid} was trained with tokens no instance generated" for tid in altered[:5])
     if announcements is not None:
-        announced = audit_versions(rep, announcements, token)
+        announced = audit_versions(rep, announcements, token, holders)
         if rep.complete:
             untrained = sorted(k for k in steps_seen if k + 1 not in announced)
             rep.c2_untrained_steps = len(untrained)
@@ -399,9 +414,10 @@ def audit_run(bootstrap: str, run_id: str | None = None, token: str = "") -> Aud
     batches = _records(bootstrap, info.run_id, topics.BATCHES, TrainBatch, start(topics.BATCHES))
     dlq = _records(bootstrap, info.run_id, topics.DLQ, DeadLetter, start(topics.DLQ))
     versions = _records(bootstrap, info.run_id, topics.VERSIONS, PolicyVersion, start(topics.VERSIONS))
+    holders = _records(bootstrap, info.run_id, topics.HOLDERS, PolicyVersion, start(topics.HOLDERS))
     chunks = _records(bootstrap, info.run_id, topics.TOKENS, TokenChunk, start(topics.TOKENS))
     statuses = _records(bootstrap, info.run_id, topics.INSTANCES, InstanceStatus, start(topics.INSTANCES))
-    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token)
+    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token, holders)
 
 
 def audit_source(source: RecordSource, token: str = "") -> AuditReport:
@@ -416,7 +432,15 @@ def audit_source(source: RecordSource, token: str = "") -> AuditReport:
                          records(topics.REQUESTS, RolloutRequest), records(topics.TRAJECTORIES, Trajectory),
                          records(topics.BATCHES, TrainBatch), records(topics.DLQ, DeadLetter),
                          records(topics.VERSIONS, PolicyVersion), records(topics.TOKENS, TokenChunk),
-                         records(topics.INSTANCES, InstanceStatus), token)
+                         records(topics.INSTANCES, InstanceStatus), token, holders(source))
+
+
+def holders(source: RecordSource) -> list[PolicyVersion]:
+    """The holder announcements an archive holds (none in one written before ``dora.policy.holders``)."""
+    try:
+        return [rec for _, rec in decoded(source, topics.HOLDERS, PolicyVersion)]
+    except FileNotFoundError:
+        return []
 
 
 def report_json(report: AuditReport) -> str:

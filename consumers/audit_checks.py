@@ -12,6 +12,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from dora_rl.schemas.records import DeadLetter, InstanceStatus, TokenChunk, Trajectory
 
 
@@ -140,3 +142,19 @@ def provenance(batches: Iterable[Any]) -> tuple[dict[str, dict[str, int]], set[s
                 counts.setdefault(origin.source_run_id, {"batches": 0, "trajectories": 0})["trajectories"] += 1
                 reused.add(t.trajectory_id)
     return dict(sorted(counts.items())), reused
+
+
+def not_as_generated(generated: Iterable[Trajectory], trained: Iterable[Trajectory]) -> list[str]:
+    """Ids of ``trained`` trajectories whose content (:func:`content_of`) matches none of the ``generated``
+    copies of their id; an id never generated is left to the id balance."""
+    copies: dict[str, set[tuple[int, bytes, bytes]]] = defaultdict(set)
+    for t in generated:
+        copies[t.trajectory_id].add(content_of(t))
+    return [t.trajectory_id for t in trained
+            if t.trajectory_id in copies and content_of(t) not in copies[t.trajectory_id]]
+
+
+def content_of(t: Trajectory) -> tuple[int, bytes, bytes]:
+    """What an instance wrote and no later writer may change: the version, prompt and response token ids."""
+    return (int(t.policy_version), np.asarray(t.prompt_ids, dtype=np.int64).tobytes(),
+            np.asarray(t.response_ids, dtype=np.int64).tobytes())

@@ -260,7 +260,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "gradient norm with the announced train metrics."),
         TopicSpec(HOLDERS, 1, "dora.v1.PolicyVersion",
                   "extra holders of announced versions (peer-to-peer weight fan-out)",
-                  writers=("rollout", "trainer"), readers=("rollout", "replay", "bench"),
+                  writers=("rollout", "trainer"), readers=("rollout", "audit", "replay", "bench"),
                   key="v<version:010d>/policy", partitioning="single", retention_ms=month,
                   max_message_bytes=8 * MIB,
                   notes="With the torch engine over ucx/tcp, an instance that loaded a version re-announces it "

@@ -114,10 +114,12 @@ def test_missing_has_no_tolerance_and_refusals_are_accounted() -> None:
 
 def test_versions_one_checksum_each_only_going_up_and_every_batch_trained() -> None:
     reqs, t, b = clean()
-    good = [ann(0), ann(1), ann(1, by="HOLDER"), ann(2)]
-    assert audit_records("r", CFG, reqs, t, b, [], good).ok
-    assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(1, "bb", "HOLDER"), ann(2)]
-                         ).v_checksum_conflicts == 1
+    good = [ann(0), ann(1), ann(2)]
+    assert audit_records("r", CFG, reqs, t, b, [], good, holders=[ann(1, by="HOLDER")]).ok
+    assert audit_records("r", CFG, reqs, t, b, [], good, holders=[ann(1, "bb", "HOLDER")]).v_checksum_conflicts == 1
+    # each topic carries one kind: a holder on the trainer's topic, or the reverse, is refused as every reader does
+    wrong = audit_records("r", CFG, reqs, t, b, [], [*good, ann(1, "bb", "HOLDER")], holders=[ann(1, "cc")])
+    assert wrong.ok and wrong.v_refused == 2 and wrong.v_checksum_conflicts == 0
     assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(2), ann(1)]).v_not_increasing == 1
     assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1)]).c2_untrained_steps == 1
     assert audit_records("r", CFG, reqs, t, [*b, b[1]], [], good).c2_duplicate_steps == 1
@@ -220,3 +222,14 @@ def test_regenerated_trajectories_are_counted_apart_as_waste() -> None:
     assert rep.waste_trajectories == 3 and rep.waste_tokens == 14 and rep.ok, rep.render()
     assert rep.ids_by_version[0]["generated"] == 6  # distinct ids
     assert "waste: 3 regenerated trajectories, 14 tokens" in rep.render()
+
+
+def test_a_trained_trajectory_no_instance_generated_fails_the_audit() -> None:
+    """A scored copy planted by another writer (same id, other tokens) and trained: FAIL (issue 32)."""
+    reqs, t, b = clean()
+    planted = t[0].replace(response_ids=np.array([7, 7, 7], dtype=np.int32))
+    rep = audit_records("r", CFG, reqs, t, [batch(0, [planted, *t[1:4]]), b[1]])
+    assert rep.w_not_as_generated == 1 and rep.verdict == "FAIL"
+    assert any("a/0" in e and "no instance generated" in e for e in rep.examples)
+    regenerated = t[0].replace(response_ids=np.array([7, 7, 7], dtype=np.int32))  # a second generated copy
+    assert audit_records("r", CFG, reqs, [*t, regenerated], [batch(0, [planted, *t[1:4]]), b[1]]).ok
