@@ -18,7 +18,8 @@ ROOT = Path(__file__).parent
 ROLE_FOLDERS = ("producers", "consumers", "schemas", "streams", "infra")
 
 
-DATA = {"schemas": ("*.avsc", "history/*/*.avsc", "golden/*/*.json"), "infra": ("kafka/pom.xml", "kafka/*.properties")}
+DATA = {"schemas": ("*.avsc", "history/*/*.avsc", "golden/*/*.json"),
+        "infra": ("broker/kafka/pom.xml", "broker/kafka/*.properties")}
 """Package data, per role folder, as globs relative to it: the Avro schemas with their history and golden samples,
 the embedded broker's Maven file and properties."""
 

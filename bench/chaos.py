@@ -88,9 +88,9 @@ class RunWatch:
     def __init__(self, bootstrap: str, run_id: str) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
-        from dora_rl.infra import topics
-        from dora_rl.infra.kafka_io import reader_config
-        from dora_rl.infra.runs import get_run, offsets_map
+        from dora_rl.infra.kafka import topics
+        from dora_rl.infra.kafka.io import reader_config
+        from dora_rl.infra.kafka.runs import get_run, offsets_map
 
         start = offsets_map(get_run(bootstrap, run_id))
         self.run_id = run_id
@@ -107,7 +107,7 @@ class RunWatch:
         self.outputs.setdefault(role, []).append(ts_ms / 1000)
 
     def poll(self, timeout: float = 0.5) -> None:
-        from dora_rl.infra.topics import spec
+        from dora_rl.infra.kafka.topics import spec
         from dora_rl.schemas.codec import DecodeError
         from dora_rl.schemas.records import (
             RECORDS,
@@ -159,7 +159,7 @@ def launch(bootstrap: str, config: dict[str, Any], home: Path,
 
 
 def fresh_home(root: Path, name: str) -> Path:
-    from dora_rl.infra.kafka_dist import dora_home
+    from dora_rl.infra.broker.dist import dora_home
 
     home = root / name
     home.mkdir(parents=True)
@@ -301,9 +301,9 @@ def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.broker import LocalCluster
-    from dora_rl.infra.kafka_security import client_config
+    from dora_rl.infra.broker.server import LocalCluster
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.security import client_config
     from dora_rl.launcher import prepare_topics
 
     cluster = LocalCluster(root / "cluster").start()
@@ -387,7 +387,7 @@ def main() -> None:
     from provenance import provenance
 
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra.broker import LocalBroker
+    from dora_rl.infra.broker.server import LocalBroker
     from dora_rl.launcher import prepare_topics
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

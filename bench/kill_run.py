@@ -40,10 +40,10 @@ def main() -> None:
     from provenance import provenance
 
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_dist import dora_home
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.broker.dist import dora_home
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.launcher import ensure_broker
     from dora_rl.schemas.records import PolicyVersion
 

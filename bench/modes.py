@@ -137,9 +137,9 @@ def label(mode: str, setting: dict[str, Any]) -> str:
 def collect(bootstrap: str, run_id: str, summary: dict[str, Any]) -> dict[str, Any]:
     """Figures of one finished run, read back from its topics."""
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run
     from dora_rl.schemas.records import InstanceStatus, Metric, TrainBatch
 
     info = get_run(bootstrap, run_id)
@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     from provenance import provenance, write_result
 
     from dora_rl.config import DoraConfig
-    from dora_rl.infra.broker import LocalBroker
-    from dora_rl.infra.logs import setup_logging
+    from dora_rl.infra.broker.server import LocalBroker
+    from dora_rl.infra.observability.logs import setup_logging
     from dora_rl.launcher import prepare_topics, run
 
     setup_logging("WARNING")

@@ -32,8 +32,8 @@ def write_prompts(bootstrap: str, run_id: str, n: int) -> float:
     import numpy as np
     from confluent_kafka import Producer
 
-    from dora_rl.infra import topics
-    from dora_rl.infra.keys import make_key
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.keys import make_key
     from dora_rl.schemas.records import Prompt
 
     t0 = time.perf_counter()
@@ -60,7 +60,7 @@ def topic_ends(bootstrap: str, names: list[str]) -> dict[tuple[str, int], int]:
     """The end offset of every partition of ``names``: a run that starts now reads from there."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from dora_rl.infra.kafka_read import watermarks  # retries while a new topic elects its leaders
+    from dora_rl.infra.kafka.read import watermarks  # retries while a new topic elects its leaders
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-ends-{uuid.uuid4().hex[:6]}"})
     try:
@@ -75,8 +75,8 @@ def topic_ends(bootstrap: str, names: list[str]) -> dict[tuple[str, int], int]:
 
 def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: int) -> dict[str, Any]:
     from dora_rl.config import DoraConfig
-    from dora_rl.infra import topics
-    from dora_rl.infra.snapshots import latest_snapshot
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.snapshots import latest_snapshot
     from dora_rl.streams.kafka_runtime import KafkaDriver
     from dora_rl.streams.orchestrator import Orchestrator, input_types
 
@@ -117,8 +117,8 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: in
 def main(argv: list[str] | None = None) -> int:
     from provenance import provenance, write_result
 
-    from dora_rl.infra.broker import LocalBroker
-    from dora_rl.infra.logs import setup_logging
+    from dora_rl.infra.broker.server import LocalBroker
+    from dora_rl.infra.observability.logs import setup_logging
     from dora_rl.launcher import prepare_topics
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

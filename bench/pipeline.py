@@ -62,7 +62,7 @@ Wire = tuple[bytes, bytes, list[tuple[str, str | bytes | None]], int]  # value, 
 
 def workload(run_id: str, steps: int, tbs: int, group: int, partitions: int, seed: int) -> list[list[Wire]]:
     """Encoded trajectories per step (group ``<run>/p<i>``, trajectory ``<group>/<j>``, version = step)."""
-    from dora_rl.infra.keys import make_key, partition_for
+    from dora_rl.infra.kafka.keys import make_key, partition_for
     from dora_rl.schemas.records import Trajectory
 
     rng, out = random.Random(seed), []
@@ -90,8 +90,8 @@ class Observer(threading.Thread):
 
     def __init__(self, bootstrap: str, run_id: str, start: dict[tuple[str, int], int], groups: int, group: int,
                  plan: Callable[[list[int]], None] | None) -> None:
-        from dora_rl.infra import topics
-        from dora_rl.infra.kafka_io import reader_config
+        from dora_rl.infra.kafka import topics
+        from dora_rl.infra.kafka.io import reader_config
 
         super().__init__(daemon=True)
         self.run_id, self.groups, self.group, self.plan, self.batches = run_id, groups, group, plan, topics.BATCHES
@@ -106,7 +106,7 @@ class Observer(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        from dora_rl.infra.keys import parse_key
+        from dora_rl.infra.kafka.keys import parse_key
 
         while not self.stop.is_set():
             first = self.consumer.poll(0.01)
@@ -176,10 +176,10 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
           logs: Path, code: str | None) -> dict[str, Any]:
     """One run: roles started, warm-up, ``args.steps`` measured steps at ``rate``, roles stopped, batches checked."""
     from dora_rl.config import DoraConfig
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import RecordProducer, read_all
-    from dora_rl.infra.keys import make_key
-    from dora_rl.infra.runs import offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import RecordProducer, read_all
+    from dora_rl.infra.kafka.keys import make_key
+    from dora_rl.infra.kafka.runs import offsets_map, topic_start
     from dora_rl.launcher import create
     from dora_rl.schemas.records import BatchPlan, TrainBatch
 
@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from provenance import provenance
 
-    from dora_rl.infra.broker import BROKER_JVM_OPTS, LocalBroker
-    from dora_rl.infra.kafka_dist import dora_home
+    from dora_rl.infra.broker.dist import dora_home
+    from dora_rl.infra.broker.server import BROKER_JVM_OPTS, LocalBroker
     from dora_rl.launcher import prepare_topics
 
     root = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))

@@ -118,9 +118,9 @@ def step_times(bootstrap: str, run_id: str,
                extra: dict[str, dict[int, float]] | None = None) -> tuple[dict[int, float], dict[int, int], int | None]:
     """``({step: reward}, {step: ts_ms of its update}, ts_ms of version 0)`` from the run's metrics; the
     ``PER_STEP`` metrics go into ``extra`` (``{name: {step: value}}``) when given."""
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run
     from dora_rl.schemas.records import Metric
 
     info = get_run(bootstrap, run_id)
@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from provenance import provenance
 
-    from dora_rl.infra.broker import LocalBroker
-    from dora_rl.infra.logs import setup_logging
+    from dora_rl.infra.broker.server import LocalBroker
+    from dora_rl.infra.observability.logs import setup_logging
     from dora_rl.launcher import prepare_topics
 
     setup_logging("WARNING")

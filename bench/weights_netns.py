@@ -1,6 +1,6 @@
 """Weight-channel benchmark across network namespaces: UCX and TCP channels vs the best raw socket.
 
-A :class:`dora_rl.infra.netns.NetLab` of 5 namespaces (``holder``, ``f1`` .. ``f4``) on one bridge
+A :class:`dora_rl.infra.lab.netns.NetLab` of 5 namespaces (``holder``, ``f1`` .. ``f4``) on one bridge
 models 5 hosts: every process is started with ``ip netns exec`` and binds its namespace's ``eth0``
 address, so bytes cross veth pairs and the bridge, never loopback, and ``host_id()`` differs between
 namespaces (UCX takes its ``net`` profile: no shared memory, no cma). Sizes 500 MB and 2 GB: exactly
@@ -270,7 +270,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.reps_500m < 3 or a.reps_2g < 2:
         ap.error("at least 3 repeats per cell at 500 MB and 2 at 2 GB")
-    from dora_rl.infra.netns import NetLab, cleanup_stale, netns_available
+    from dora_rl.infra.lab.netns import NetLab, cleanup_stale, netns_available
     from dora_rl.infra.weights.fetcher import DEFAULT_STREAMS
 
     if reason := netns_available():

@@ -73,10 +73,10 @@ from dora_rl.consumers.audit_checks import (
     waste,
 )
 from dora_rl.consumers.replay.source import RecordSource, decoded
-from dora_rl.infra import topics
-from dora_rl.infra.announcements import announcement_problem, kind_problem
-from dora_rl.infra.kafka_io import read_all
-from dora_rl.infra.runs import get_run
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import read_all
+from dora_rl.infra.kafka.runs import get_run
+from dora_rl.infra.weights.announcements import announcement_problem, kind_problem
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import (
     DeadLetter,

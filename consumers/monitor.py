@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TextIO
 
-from dora_rl.infra.kafka_io import now_ms
+from dora_rl.infra.kafka.io import now_ms
 
 from .monitor_feed import RunFeed
 from .monitor_render import frame, render, step_line

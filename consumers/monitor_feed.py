@@ -4,7 +4,7 @@ Reads, from the run's start offsets, with its own throw-away consumer group
 ``dora.<run>.<tool>.<ms>`` that never commits: ``dora.metrics``, ``dora.instances``, ``dora.dlq``,
 ``dora.policy.versions``, ``dora.train.batches``, ``dora.rollout.requests`` and
 ``dora.rollout.trajectories``. Every ``lag_every_s`` it refreshes the consumer lag of the run's roles
-from their groups' committed offsets (:func:`dora_rl.infra.lag.committed_lag`) and the run's state from
+from their groups' committed offsets (:func:`dora_rl.infra.kafka.lag.committed_lag`) and the run's state from
 ``dora.runs``. A failure of those refreshes is logged and leaves the previous values shown.
 """
 
@@ -15,10 +15,10 @@ import threading
 import time
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
-from dora_rl.infra.lag import committed_lag, for_run_state
-from dora_rl.infra.runs import get_run, offsets_map
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.kafka.lag import committed_lag, for_run_state
+from dora_rl.infra.kafka.runs import get_run, offsets_map
 from dora_rl.schemas.records import (
     DeadLetter,
     InstanceStatus,

@@ -19,7 +19,7 @@ Figures (``S`` the run's ``max_staleness``, ``V`` the newest version the trainer
   steps' tokens over the time they took;
 - **instance tokens/s**: generated tokens between heartbeats at least 2 s apart;
 - **DLQ rate**: dead letters per minute over the minute before ``now_ms``;
-- **consumer lag** per role and topic: the partitions' lags (:mod:`dora_rl.infra.lag`) summed.
+- **consumer lag** per role and topic: the partitions' lags (:mod:`dora_rl.infra.kafka.lag`) summed.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from dora_rl.infra import topics
-from dora_rl.infra.lag import PartitionLag
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.lag import PartitionLag
 from dora_rl.schemas.records import PolicyVersion
 
 from .timeline import Timeline

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from dora_rl.config import MODES, DoraConfig
-from dora_rl.infra.logs import setup_logging
+from dora_rl.infra.observability.logs import setup_logging
 from dora_rl.roles import ROLES
 
 
 def _bootstrap(args: argparse.Namespace, start: bool = False, check: bool = True) -> str:
-    from dora_rl.infra.broker import require_reachable, resolve_bootstrap
+    from dora_rl.infra.broker.server import require_reachable, resolve_bootstrap
     from dora_rl.launcher import embedded_broker
 
     given = resolve_bootstrap(args.bootstrap_servers)
@@ -49,7 +49,7 @@ def _bootstrap(args: argparse.Namespace, start: bool = False, check: bool = True
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dora_rl.infra.broker import resolve_bootstrap
+    from dora_rl.infra.broker.server import resolve_bootstrap
     from dora_rl.launcher import run
 
     config = _run_config(args)
@@ -60,8 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from dora_rl.infra.broker import resolve_bootstrap
-    from dora_rl.infra.runs import RetentionGap
+    from dora_rl.infra.broker.server import resolve_bootstrap
+    from dora_rl.infra.kafka.runs import RetentionGap
     from dora_rl.launcher import resume
 
     try:
@@ -84,7 +84,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from dora_rl.infra import broker as b
+    from dora_rl.infra.broker import server as b
 
     security = b.BrokerSecurity() if args.secure else None
     if args.secure and args.action != "start":
@@ -133,11 +133,11 @@ def _print_client_config(path: Path) -> None:
 def cmd_topics(args: argparse.Namespace) -> int:
     from confluent_kafka.admin import AdminClient
 
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_security import client_config
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.security import client_config
 
     if args.action == "doc":  # docs/topics.md + README table from the catalogue; needs no broker
-        from dora_rl.infra.topic_docs import sync_docs
+        from dora_rl.infra.kafka.topic_docs import sync_docs
 
         return sync_docs(check=args.check)
     if args.action == "create":  # `list` prints the catalogue and needs no broker
@@ -179,7 +179,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from dora_rl.infra.runs import list_runs
+    from dora_rl.infra.kafka.runs import list_runs
 
     for run_id, info in list_runs(_bootstrap(args)).items():
         print(f"{run_id}  {info.state:9s} mode={info.mode}")
@@ -218,7 +218,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         source = ArchiveSource(Path(args.from_archive))
         report = audit_source(source, args.token_file.read_text().strip() if args.token_file else "")
     else:
-        from dora_rl.infra.runs import get_run
+        from dora_rl.infra.kafka.runs import get_run
 
         bootstrap = _bootstrap(args)
         run_id = get_run(bootstrap, args.run).run_id

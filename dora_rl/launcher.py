@@ -35,11 +35,11 @@ from dora_rl.config import DoraConfig
 from dora_rl.consumers.dashboard.plot import plot_summary
 from dora_rl.consumers.tensorboard_log import TensorBoardLog
 from dora_rl.core.paired_bootstrap import paired_bootstrap
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer, now_ms
-from dora_rl.infra.kafka_security import child_env, effective
-from dora_rl.infra.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
-from dora_rl.infra.signing import signature_problem
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.kafka.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
+from dora_rl.infra.kafka.security import child_env, effective
+from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 def embedded_broker() -> Any:
     """Handle on the embedded broker (``$DORA_HOME/broker``), whether or not it was ever started."""
-    from dora_rl.infra.broker import BrokerError, LocalBroker
+    from dora_rl.infra.broker.server import BrokerError, LocalBroker
 
     try:
         return LocalBroker.attach()
@@ -62,7 +62,7 @@ def embedded_broker() -> Any:
 def ensure_broker(bootstrap: str | None) -> str:
     """``bootstrap`` if given, else the embedded broker's (started if it is not running)."""
     if bootstrap:
-        from dora_rl.infra.broker import require_reachable
+        from dora_rl.infra.broker.server import require_reachable
 
         require_reachable(bootstrap)  # one line at once, not a client's error stream then a traceback
         return bootstrap
@@ -85,7 +85,7 @@ SINGLE_USER_NOTE = (
 
 def prepare_topics(bootstrap: str, num_partitions: int, instances: int = topics.MAX_INSTANCES) -> dict[str, str]:
     """Create the catalogue's topics, the request topic with ``instances`` partitions (idempotent)."""
-    from dora_rl.infra.kafka_security import client_config
+    from dora_rl.infra.kafka.security import client_config
 
     return topics.ensure_topics(AdminClient(client_config(bootstrap)), num_partitions, instances=instances)
 

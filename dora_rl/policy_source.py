@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dora_rl.infra.kafka_dist import dora_home
+from dora_rl.infra.broker.dist import dora_home
 
 
 def models_dir() -> Path:

@@ -17,10 +17,10 @@ import threading
 from pathlib import Path
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_dist import dora_home
-from dora_rl.infra.prom_serve import serve as serve_metrics
-from dora_rl.infra.runs import get_run, offsets_map, topic_start
+from dora_rl.infra.broker.dist import dora_home
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+from dora_rl.infra.observability.prom_serve import serve as serve_metrics
 
 log = logging.getLogger(__name__)
 ROLES = ("trainer", "rollout", "scorer", "assembler", "orchestrator", "dataset")
@@ -132,7 +132,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
                             config.instance_concurrency)
     index = int(index)
     log.info("starting %s for run %s (mode %s)", role, info.run_id, config.mode)
-    if role != "dataset":  # every long-running role serves /metrics (infra/prom_serve.py)
+    if role != "dataset":  # every long-running role serves /metrics (infra/observability/prom_serve.py)
         serve_metrics(bootstrap, info.run_id, role, f"{role}-{index}" if role in ("rollout", "scorer") else role)
     if role == "trainer":
         from dora_rl.consumers.trainer.role import run_trainer

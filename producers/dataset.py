@@ -20,9 +20,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, RecordTooLarge, now_ms, read_all
-from dora_rl.infra.keys import make_key
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, RecordTooLarge, now_ms, read_all
+from dora_rl.infra.kafka.keys import make_key
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import DeadLetter, Prompt
 

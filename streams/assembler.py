@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.training_input import trajectory_problem
-from dora_rl.infra import topics
-from dora_rl.infra.keys import make_key
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.keys import make_key
 from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, Record, TrainBatch, Trajectory
 
 from .batching import BatchAssembler

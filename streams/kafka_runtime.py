@@ -38,9 +38,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from dora_rl.infra import prom, topics
 from dora_rl.infra.crashpoints import crash_point
-from dora_rl.infra.kafka_io import (
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import (
     RecordProducer,
     consumer_config,
     dead_letter,
@@ -51,8 +51,9 @@ from dora_rl.infra.kafka_io import (
     reader_config,
     resume_all_partitions,
 )
-from dora_rl.infra.kafka_security import security_errors_fatal
-from dora_rl.infra.snapshots import latest_snapshot, send_snapshot
+from dora_rl.infra.kafka.security import security_errors_fatal
+from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
+from dora_rl.infra.observability import prom
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import Record
 

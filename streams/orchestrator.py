@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
-from dora_rl.infra.announcements import announcement_problem, kind_problem
-from dora_rl.infra.keys import make_key
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.weights.announcements import announcement_problem, kind_problem
 from dora_rl.schemas.records import (
     BatchPlan,
     DeadLetter,

@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from dora_rl.core.rewards import RewardError, RewardRequest
-from dora_rl.infra import topics
-from dora_rl.infra.keys import make_key, partition_for
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.keys import make_key, partition_for
 from dora_rl.infra.reward_worker import RewardRunner
 from dora_rl.schemas.records import Metric, Trajectory
 

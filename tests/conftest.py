@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def dora_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """An isolated ``$DORA_HOME`` (models, runs) sharing the Kafka jar cache of the real one."""
-    from dora_rl.infra.kafka_dist import dora_home as real_home
+    from dora_rl.infra.broker.dist import dora_home as real_home
 
     home = tmp_path_factory.mktemp("dora_home")
     jars = real_home() / "kafka"
@@ -41,8 +41,8 @@ def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Bootstrap servers of a real broker (started here, on free ports) with the topic catalogue."""
     from confluent_kafka.admin import AdminClient
 
-    from dora_rl.infra.broker import LocalBroker
-    from dora_rl.infra.topics import ensure_topics
+    from dora_rl.infra.broker.server import LocalBroker
+    from dora_rl.infra.kafka.topics import ensure_topics
 
     given = os.environ.get("DORA_TEST_BOOTSTRAP")
     broker = None

@@ -96,9 +96,9 @@ def plot_summary(bootstrap: str, summary: Mapping[str, Any], run_dir: Path, json
     returns the paths written (none on failure, which is logged)."""
     paths = [run_dir / "summary.png"] + ([json_path.with_suffix(".png")] if json_path is not None else [])
     try:
-        from dora_rl.infra import topics
-        from dora_rl.infra.kafka_io import read_all
-        from dora_rl.infra.runs import get_run
+        from dora_rl.infra.kafka import topics
+        from dora_rl.infra.kafka.io import read_all
+        from dora_rl.infra.kafka.runs import get_run
         from dora_rl.schemas.codec import DecodeError
         from dora_rl.schemas.records import Metric
 

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 
 from dora_rl.infra.endpoints import Endpoints
-from dora_rl.infra.kafka_io import now_ms
+from dora_rl.infra.kafka.io import now_ms
 
 from ..monitor_feed import RunFeed
 from .page import render_page

@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.codec import SCHEMA_DIR, SCHEMA_FILES, DecodeError
 from dora_rl.schemas.records import RECORDS, RunInfo
 
@@ -42,7 +42,7 @@ RAW = pa.schema([
     pa.field("partition", pa.int32(), nullable=False, metadata={"doc": "Partition of the record."}),
     pa.field("offset", pa.int64(), nullable=False, metadata={"doc": "Offset of the record in its partition."}),
     pa.field("timestamp_ms", pa.int64(), nullable=False, metadata={"doc": "The record's Kafka timestamp."}),
-    pa.field("key", pa.binary(), metadata={"doc": "Record key bytes (infra/keys.py)."}),
+    pa.field("key", pa.binary(), metadata={"doc": "Record key bytes (infra/kafka/keys.py)."}),
     pa.field("value", pa.binary(), metadata={"doc": "Schemaless Avro body of the record, as written."}),
     pa.field("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())])),
              metadata={"doc": "Kafka headers: dora.schema and dora.schema.fp (docs/decisions/0003)."}),

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RECORDS
 

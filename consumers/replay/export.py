@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dora_rl.core.staleness import StalenessBound
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.records import RECORDS, TrainBatch, Trajectory
 
 from .arrow import arrow_schema, column, record_fields, row_of

@@ -32,12 +32,12 @@ from typing import Any
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.staleness import StalenessBound
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_dist import dora_home
-from dora_rl.infra.kafka_io import RecordProducer
-from dora_rl.infra.kafka_read import now_ms
-from dora_rl.infra.keys import make_key
-from dora_rl.infra.runs import offsets_map, start_run
+from dora_rl.infra.broker.dist import dora_home
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer
+from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.read import now_ms
+from dora_rl.infra.kafka.runs import offsets_map, start_run
 from dora_rl.schemas.records import Provenance, TrainBatch, Trajectory
 
 from .source import RawRecord, RecordSource, decoded
@@ -165,7 +165,7 @@ def refeed(source: RecordSource, bootstrap: str, kind: str = "batches", steps: i
            overrides: Mapping[str, Any] | None = None, run_id: str | None = None, train: bool = True,
            stop: Callable[[], bool] = lambda: False) -> RefeedResult:
     """Create a new run on ``bootstrap`` from the source's run (see the module docstring)."""
-    from dora_rl.infra.runs import new_run_id
+    from dora_rl.infra.kafka.runs import new_run_id
 
     info = source.run_info()
     recorded = DoraConfig.from_json(info.config_json)

@@ -23,7 +23,7 @@ from typing import Any
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer.update import Sample, compute_advantages, trainable
 from dora_rl.core.rewards import RewardError, RewardRequest
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.infra.reward_worker import RewardRunner
 from dora_rl.schemas.records import Trajectory
 

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer import checkpoint
 from dora_rl.consumers.trainer.step import TrainerState, build_state, single_thread, train_step
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.infra.weights.checksum import default_checksum_algo
 from dora_rl.infra.weights.manifest import DEFAULT_BUCKET_BYTES, pack_state_dict
 from dora_rl.modeling import state_dict_for_transfer

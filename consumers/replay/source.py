@@ -9,7 +9,7 @@ Invariants of a source (both kinds):
 - it yields only records at or after the run's start offsets (``RunInfo.start_offsets``), in offset
   order within a partition; records of other runs sharing the topics are dropped by :func:`decoded`
   (by the decoded ``run_id``);
-- the version filter uses the key only (``v<version:010d>/...``, :mod:`dora_rl.infra.keys`): a value of
+- the version filter uses the key only (``v<version:010d>/...``, :mod:`dora_rl.infra.kafka.keys`): a value of
   another version is never decoded;
 - nothing is silently missing: before reading a topic, :class:`KafkaSource` compares each partition's
   start offset with the partition's first retained offset (its low watermark) and raises
@@ -26,12 +26,12 @@ from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import Consumer, TopicPartition
 
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_dist import dora_home
-from dora_rl.infra.kafka_io import read_all
-from dora_rl.infra.kafka_read import metadata, now_ms, reader_config, watermarks
-from dora_rl.infra.keys import parse_key
-from dora_rl.infra.runs import get_run
+from dora_rl.infra.broker.dist import dora_home
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import read_all
+from dora_rl.infra.kafka.keys import parse_key
+from dora_rl.infra.kafka.read import metadata, now_ms, reader_config, watermarks
+from dora_rl.infra.kafka.runs import get_run
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import Record, RunInfo
 

@@ -45,11 +45,12 @@ from pathlib import Path
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import modelled_train_s
-from dora_rl.infra import prom, topics
-from dora_rl.infra.announcements import announcement_problem
 from dora_rl.infra.crashpoints import crash_point
-from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
-from dora_rl.infra.keys import make_key
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
+from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.observability import prom
+from dora_rl.infra.weights.announcements import announcement_problem
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
@@ -272,7 +273,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
 def record_finished(bootstrap: str, run_id: str, step: int) -> None:
     """The run reached its steps: record it ``FINISHED`` (a run without a launcher has no one else to; a
     launcher, which stops the trainer before it records its own summary, overwrites this one)."""
-    from dora_rl.infra.runs import finish_run, get_run
+    from dora_rl.infra.kafka.runs import finish_run, get_run
 
     info = get_run(bootstrap, run_id)
     if info.state == "STARTED":

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.training_input import trajectory_problem
-from dora_rl.infra.weight_sync import Publisher
 from dora_rl.infra.weights.checksum import AUTHENTICATED
+from dora_rl.infra.weights.sync import Publisher
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
 
 from . import checkpoint

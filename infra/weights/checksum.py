@@ -7,7 +7,7 @@ Both release the GIL, so hashing overlaps the next receive. They detect corrupti
 bugs, not an attacker: bytes rewritten to keep a crc32 or xxh3 are easy to make.
 
 ``blake2b`` (128-bit digest) is collision-resistant. The announcement that lists the digests is
-signed with the run's key (``infra/signing.py``), so under ``blake2b`` a bucket rewritten in flight
+signed with the run's key (``infra/kafka/signing.py``), so under ``blake2b`` a bucket rewritten in flight
 is refused: the authenticated setting (``DoraConfig.weight_digest``), at its hashing cost.
 """
 

@@ -32,7 +32,7 @@ def host_id() -> str:
 
     Equal ids select the UCX ``local`` profile (shared memory / cross-memory attach). Processes in
     different network namespaces of one kernel count as different hosts here (they model separate
-    machines, e.g. ``dora_rl.infra.netns.NetLab``), so they always get the ``net`` profile and UCX
+    machines, e.g. ``dora_rl.infra.lab.netns.NetLab``), so they always get the ``net`` profile and UCX
     never uses cma, posix, sysv, xpmem or knem between them. Unreadable ids never compare equal.
     """
     try:

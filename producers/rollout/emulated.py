@@ -33,8 +33,8 @@ from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, Gen
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from dora_rl.infra.weight_sync import Fetcher
     from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
 
 # -- the engine ------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    from dora_rl.infra.weight_sync import Fetcher
     from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -115,7 +115,7 @@ class Engine(Protocol):
         ...
 
     fetches_weights: bool
-    """Whether :meth:`load_version` needs a :class:`~dora_rl.infra.weight_sync.Fetcher`."""
+    """Whether :meth:`load_version` needs a :class:`~dora_rl.infra.weights.sync.Fetcher`."""
 
     serves_weights: bool
     """Whether :meth:`weights_to_serve` returns the weights (so the instance can serve its version)."""

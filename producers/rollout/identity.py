@@ -15,10 +15,10 @@ import socket
 from collections.abc import Iterator, Mapping
 
 from dora_rl.core.instance_ids import first_free, owned_by, owners
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, now_ms, read_all
-from dora_rl.infra.keys import make_key
-from dora_rl.infra.runs import topic_start
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, now_ms, read_all
+from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.runs import topic_start
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import InstanceStatus
 

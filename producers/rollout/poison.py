@@ -19,10 +19,10 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from dora_rl.core.attempts import Attempts
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, now_ms
-from dora_rl.infra.keys import make_key
-from dora_rl.infra.snapshots import latest_snapshot, send_snapshot
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, now_ms
+from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
 from dora_rl.schemas.records import DeadLetter, RolloutRequest
 
 log = logging.getLogger(__name__)

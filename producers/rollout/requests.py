@@ -9,8 +9,9 @@ from __future__ import annotations
 from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import prom, topics
-from dora_rl.infra.kafka_io import DeadLetters, consumer_config, is_record
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import DeadLetters, consumer_config, is_record
+from dora_rl.infra.observability import prom
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RolloutRequest
 

@@ -51,8 +51,8 @@ from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, Gen
 from .torch_batch import Batch, absorb, feed, mergeable, new_cache, prefill, select, trim
 
 if TYPE_CHECKING:
-    from dora_rl.infra.weight_sync import Fetcher
     from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
 
 COMPACT_PATIENCE = 4

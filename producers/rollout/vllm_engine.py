@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult
 
 if TYPE_CHECKING:
-    from dora_rl.infra.weight_sync import Fetcher
     from dora_rl.infra.weights.fetcher import FetchStats
+    from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
 
 

@@ -38,12 +38,13 @@ import numpy as np
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.instance_policy import next_version, startable
-from dora_rl.infra import prom, topics
-from dora_rl.infra.announcements import announcement_problem, kind_problem, sign
 from dora_rl.infra.crashpoints import crash_point
-from dora_rl.infra.kafka_io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
-from dora_rl.infra.kafka_security import KafkaSecurityError
-from dora_rl.infra.keys import make_key, partition_for
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
+from dora_rl.infra.kafka.keys import make_key, partition_for
+from dora_rl.infra.kafka.security import KafkaSecurityError
+from dora_rl.infra.observability import prom
+from dora_rl.infra.weights.announcements import announcement_problem, kind_problem, sign
 from dora_rl.infra.weights.protocol import WeightFetchError
 from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
@@ -217,7 +218,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     inst = Instance(run_id, index, config, producer, eng.decode, guard)
     fetcher = None
     if eng.fetches_weights:  # imported here: the weight channel needs torch, an emulated instance does not
-        from dora_rl.infra.weight_sync import Fetcher
+        from dora_rl.infra.weights.sync import Fetcher
 
         fetcher = Fetcher(config.weight_transport, token)
     holder = (InstanceHolder(config.weight_transport, run_id, token)

@@ -56,7 +56,7 @@ class Apicurio:
     """One in-memory registry process on 127.0.0.1:<port>; :attr:`ccompat` is its Confluent API URL."""
 
     def __init__(self, jar: Path, port: int, log: Path) -> None:
-        from dora_rl.infra.kafka_dist import find_java
+        from dora_rl.infra.broker.dist import find_java
 
         self.url = f"http://127.0.0.1:{port}"
         self.ccompat = f"{self.url}/apis/ccompat/v7"

@@ -46,9 +46,9 @@ def role_argv(role: str, bootstrap: str, run_id: str, *extra: str) -> list[str]:
 def claimed_indices(bootstrap: str, run_id: str) -> dict[str, int]:
     """``instance name -> index`` owned, by the rule every instance applies (core/instance_ids.py)."""
     from dora_rl.core.instance_ids import owners
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import InstanceStatus
 
     start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
@@ -76,10 +76,10 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
     from confluent_kafka import Consumer, TopicPartition
 
     from dora_rl.core.emulation import EmulatedParams, for_instance, planned_length
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_read import now_ms, reader_config
-    from dora_rl.infra.kafka_security import check_kafka_error
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.read import now_ms, reader_config
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.security import check_kafka_error
     from dora_rl.schemas.records import InstanceStatus
 
     params = for_instance(EmulatedParams.from_dict({"seed": config["seed"], **config.get("emulated", {})}), index)
@@ -118,7 +118,7 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
 
 
 def run_state(bootstrap: str, run_id: str) -> str:
-    from dora_rl.infra.runs import get_run
+    from dora_rl.infra.kafka.runs import get_run
 
     return str(get_run(bootstrap, run_id).state)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 def _metrics(bootstrap: str, run_id: str) -> list[Any]:
     """The decodable records of ``dora.metrics`` from the run's start (garbage on the topic is passed over)."""
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import Metric
 
@@ -57,9 +57,9 @@ def emulated_run(**overrides: Any) -> dict[str, Any]:
 
 
 def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import Trajectory
 
     start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.TRAJECTORIES)

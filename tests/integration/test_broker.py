@@ -1,4 +1,4 @@
-"""Integration tests against a REAL Apache Kafka broker started by ``dora_rl.infra.broker``.
+"""Integration tests against a REAL Apache Kafka broker started by ``dora_rl.infra.broker.server``.
 
 The fixtures start their own brokers (free ports, temp data dirs), so a broker that cannot start is a
 test ERROR, never a skip. Covered: confluent-kafka, aiokafka and faust-streaming against the broker,
@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from dora_rl.infra.broker import (
+from dora_rl.infra.broker.server import (
     JVM_OPTS_ENV,
     LocalBroker,
     LocalCluster,

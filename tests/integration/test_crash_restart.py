@@ -83,9 +83,9 @@ def test_resume_after_retention_deleted_what_the_run_needs_fails_with_that_reaso
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.config import DoraConfig
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import RecordProducer
-    from dora_rl.infra.runs import retention_gaps, start_run
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import RecordProducer
+    from dora_rl.infra.kafka.runs import retention_gaps, start_run
 
     info = start_run(bootstrap, DoraConfig.from_dict({**CONFIG, "steps": 2}))
     producer = RecordProducer(bootstrap, "retention-test")
@@ -123,8 +123,8 @@ def test_a_run_outlives_short_retention_and_resumes_after_its_offsets_expired(do
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra.broker import LocalBroker
-    from dora_rl.infra.topics import ensure_topics
+    from dora_rl.infra.broker.server import LocalBroker
+    from dora_rl.infra.kafka.topics import ensure_topics
 
     broker = LocalBroker(tmp_path / "broker", port=0, config=SHORT_RETENTION).start()
     try:

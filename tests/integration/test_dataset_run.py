@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.prompt_source import heldout_prompts, training_prompts
 from dora_rl.schemas.records import Prompt
 
@@ -32,8 +32,8 @@ def _dataset(path: Path) -> Path:
 def test_run_on_a_jsonl_dataset_with_evaluation(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.launcher import run
 
     data = _dataset(tmp_path / "arith.jsonl")

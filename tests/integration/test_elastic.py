@@ -81,9 +81,9 @@ def test_more_instances_than_request_partitions_each_serving_at_least_two_versio
     """More instances than the request topic's 16 default partitions: the run grows the topic to
     ``max_instances``; every instance holds two or more versions over the run, and the audit passes."""
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import InstanceStatus
 
     # migrate: a moved instance switches at once. Under drain (the default) the instances that keep the oldest

@@ -60,8 +60,8 @@ def _service(cmd: list[str], bootstrap: str, run_id: str, reward: Path, log: Pat
 
 def _read(bootstrap: str, run_id: str, topic: str, cls: type) -> list[tuple[int, int, object, object]]:
     """(partition, offset, message, record) of the run's committed records on ``topic``."""
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
 
     start = topic_start(offsets_map(get_run(bootstrap, run_id)), topic)
     out = []
@@ -78,9 +78,9 @@ def test_external_reward_service_killed_and_restarted_scores_the_run_exactly_onc
 
     from dora_rl.consumers.audit import audit_run
     from dora_rl.core.tasks import get_task
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import reader_config
-    from dora_rl.infra.keys import make_key, partition_for
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import reader_config
+    from dora_rl.infra.kafka.keys import make_key, partition_for
     from dora_rl.schemas.records import DeadLetter, TrainBatch, Trajectory
 
     py = clean_python(tmp_path)  # asserts that `import dora_rl` fails in it

@@ -39,7 +39,7 @@ LAST_GROUP = CONFIG["steps"] * CONFIG["train_batch_size"] // CONFIG["group_size"
 
 def _live_partitions(topic: str, partitions: int) -> list[int]:
     """The partitions of ``topic`` a live role reads (each rollout instance reads its own request partition)."""
-    from dora_rl.infra import topics
+    from dora_rl.infra.kafka import topics
 
     return list(range(CONFIG["num_instances"])) if topic == topics.REQUESTS else list(range(partitions))
 
@@ -64,7 +64,7 @@ def _last_record(bootstrap: str, topic: str) -> tuple[bytes, list[tuple[str, byt
     """The value and headers of a recent record of ``topic`` (any run): a valid record of its schema."""
     from confluent_kafka.admin import AdminClient
 
-    from dora_rl.infra.kafka_read import read_backwards
+    from dora_rl.infra.kafka.read import read_backwards
 
     for p in AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=30).topics[topic].partitions:
         for window in read_backwards(bootstrap, topic, p, window=20):
@@ -94,9 +94,9 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.announcements import sign
-    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.weights.announcements import sign
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import DeadLetter, Metric, PolicyVersion
 
@@ -177,8 +177,8 @@ def _recent_trajectories(bootstrap: str, run_id: str, n: int) -> list:  # type: 
     """``n`` of the run's newest generated trajectories (of different groups where there are enough)."""
     from confluent_kafka.admin import AdminClient
 
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_read import read_backwards
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.read import read_backwards
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import Trajectory
 
@@ -204,8 +204,8 @@ def _assert_finite_training(bootstrap: str, run_id: str, dora_home: Path) -> Non
     weights (its checksums are what it announced: decision 0053)."""
     from safetensors.torch import load_file
 
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import TrainBatch
 

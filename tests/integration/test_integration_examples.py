@@ -60,9 +60,9 @@ def example_run(bootstrap: str, dora_home: Path, tmp_path_factory: pytest.TempPa
 
 
 def _scored(bootstrap: str, run_id: str) -> list[tuple[int, int, Any]]:
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import Trajectory
 
     start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.SCORED)
@@ -143,7 +143,7 @@ def test_faust_example_aggregates_the_runs_rewards_by_version(example_run: dict[
 
     from confluent_kafka.admin import AdminClient
 
-    from dora_rl.infra import topics
+    from dora_rl.infra.kafka import topics
 
     spec = importlib.util.spec_from_file_location("faust_reward_by_version", EXAMPLES / "faust_reward_by_version.py")
     assert spec is not None and spec.loader is not None

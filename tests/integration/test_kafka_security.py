@@ -33,10 +33,10 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from dora_rl.infra import kafka_security as ks
-from dora_rl.infra import topics
-from dora_rl.infra.broker import BrokerError, BrokerSecurity, LocalBroker, LocalCluster
-from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer
+from dora_rl.infra.broker.server import BrokerError, BrokerSecurity, LocalBroker, LocalCluster
+from dora_rl.infra.kafka import security as ks
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
 from dora_rl.schemas.records import Trajectory
 
 pytestmark = pytest.mark.broker

@@ -3,7 +3,7 @@
 The trainer's and a rollout instance's ``/metrics`` are found through the endpoint files the roles
 write (``$DORA_HOME/metrics-endpoints/<run>.<name>.json``, Prometheus ``file_sd`` format) and
 scraped while the run is going, by this test and by a real Prometheus (Debian's, started on the shipped
-``infra/grafana/prometheus.yml`` copied into ``$DORA_HOME``, after ``promtool`` checked it): both report
+``infra/observability/grafana/prometheus.yml`` copied into ``$DORA_HOME``, after ``promtool`` checked it): both report
 consumer lag on their own topic-partitions, the instance
 its held version and state, and the trainer a staleness histogram whose counts, per bucket, are exactly
 what the audit counts over the same batches. The run ends with its plot beside each ``summary.json``.
@@ -42,7 +42,7 @@ def scrape(address: str) -> dict[str, list[Any]]:
 
 
 def endpoint(run_id: str, name: str) -> str:
-    from dora_rl.infra.prom_serve import endpoint_file
+    from dora_rl.infra.observability.prom_serve import endpoint_file
 
     return str(json.loads(endpoint_file(run_id, name).read_text())[0]["targets"][0])
 
@@ -54,7 +54,7 @@ def start_prometheus(dora_home: Path, tmp_path: Path) -> tuple[subprocess.Popen[
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("prometheus is required in CI (make setup-prometheus installs Debian's)")
         return None
-    grafana = Path(__file__).resolve().parents[2] / "infra" / "grafana"
+    grafana = Path(__file__).resolve().parents[2] / "infra" / "observability" / "grafana"
     for name in ("prometheus.yml", "dora-alerts.yml"):
         shutil.copy(grafana / name, dora_home / name)
     check = subprocess.run(["promtool", "check", "config", str(dora_home / "prometheus.yml")], capture_output=True,
@@ -89,9 +89,9 @@ def value(fams: dict[str, list[Any]], family: str, sample: str | None = None, **
 def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.config import DoraConfig
     from dora_rl.consumers.audit import audit_records, audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import TrainBatch
 
     cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
@@ -104,7 +104,7 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
                                  "--config", str(cfg), "--json", str(out), "--quiet"], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env)
     try:
-        from dora_rl.infra.prom_serve import endpoint_file
+        from dora_rl.infra.observability.prom_serve import endpoint_file
 
         def new_run() -> str | None:
             fresh = [d.name for d in runs.iterdir() if d.name not in known] if runs.exists() else []

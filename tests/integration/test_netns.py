@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dora_rl.infra.netns import NetLab, NetLabError, netns_available
+from dora_rl.infra.lab.netns import NetLab, NetLabError, netns_available
 
 ECHO_SERVER = """
 import socket, sys
@@ -102,10 +102,10 @@ def test_teardown_after_error_and_bad_arguments(available: None) -> None:
 
 
 def test_cleanup_stale_removes_a_crashed_lab_only(available: None) -> None:
-    from dora_rl.infra.netns import STATE_DIR, cleanup_stale
+    from dora_rl.infra.lab.netns import STATE_DIR, cleanup_stale
 
     cleanup_stale()  # labs left by an earlier, killed run on this machine are not this test's subject
-    crash = "from dora_rl.infra.netns import NetLab\nlab = NetLab(['c']).__enter__()\nprint(lab.tag, flush=True)\n"
+    crash = "from dora_rl.infra.lab.netns import NetLab\nlab = NetLab(['c']).__enter__()\nprint(lab.tag, flush=True)\n"
     crash += "import time; time.sleep(60)\n"
     child = subprocess.Popen([sys.executable, "-c", crash], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None

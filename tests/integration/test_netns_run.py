@@ -1,6 +1,6 @@
 """A dora-mode run across separate network stacks (real broker, real model, real weight channel): the
 broker, the trainer, the stream roles and two rollout instances each in a Linux network namespace of
-their own, joined by a bridge (``infra/netns.py``); the operator (this test) is in the root namespace.
+their own, joined by a bridge (``infra/lab/netns.py``); the operator (this test) is in the root namespace.
 
 Started as on many hosts: ``dora-rl create``, then each role alone in its namespace, binding its own
 address (``--bind-host``), instances with ``--index auto``. Checked: the run finishes, the strict
@@ -46,7 +46,7 @@ CONFIG: dict[str, Any] = {"mode": "dora", "max_staleness": 1, "steps": 4, "train
 
 @pytest.fixture
 def lab() -> Iterator[Any]:
-    from dora_rl.infra.netns import NetLab, netns_available
+    from dora_rl.infra.lab.netns import NetLab, netns_available
 
     why = netns_available()
     if why:
@@ -59,7 +59,7 @@ def lab() -> Iterator[Any]:
 
 def start_broker(lab: Any, data_dir: Path, security: Any = None) -> Any:
     """A broker inside the ``broker`` namespace, listening on its address (PLAINTEXT or SASL_SSL)."""
-    from dora_rl.infra.broker import LocalBroker
+    from dora_rl.infra.broker.server import LocalBroker
 
     broker = LocalBroker(data_dir, port=BROKER_PORT, host=lab.ip("broker"), security=security,
                          launch_prefix=lab.prefix("broker"))
@@ -108,9 +108,9 @@ def run_across_namespaces(lab: Any, bootstrap: str, tmp_path: Path, dora_home: P
 def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> list[str]:
     """Audit, holders, routes; returns the fetch lines of the rollout logs."""
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
     from dora_rl.schemas.records import PolicyVersion
 
     report = audit_run(bootstrap, run_id)
@@ -145,8 +145,8 @@ def test_a_dora_run_across_network_namespaces_with_ucx_on_its_network_path(
 
 def test_the_same_run_with_sasl_ssl_per_role_users_and_acls_and_no_secret_anywhere(
         lab: Any, tmp_path: Path, dora_home: Path) -> None:
-    from dora_rl.infra import kafka_security as ks
-    from dora_rl.infra.broker import BrokerSecurity
+    from dora_rl.infra.broker.server import BrokerSecurity
+    from dora_rl.infra.kafka import security as ks
 
     broker = start_broker(lab, tmp_path / "broker", BrokerSecurity(hosts=(lab.ip("broker"),)))
     bootstrap, ca = broker.bootstrap_servers, broker.secrets.ca_file
@@ -198,9 +198,9 @@ def find_secrets(secrets: list[str], run_id: str, bootstrap: str, roots: list[Pa
     """Where any secret occurs: every log (``*.log*``) and every file of the run's directory under ``roots``
     (the secret stores themselves, ``keep_out`` and the broker's ``security/``, excepted), and every record
     (key, value, headers) of the run on every topic of the catalogue."""
-    from dora_rl.infra import topics
-    from dora_rl.infra.kafka_io import read_all
-    from dora_rl.infra.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
 
     needles = [s.encode() for s in secrets if s]
     found: list[str] = []

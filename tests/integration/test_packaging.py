@@ -21,7 +21,7 @@ def test_wheel_has_one_namespace_and_imports_from_a_clean_directory(tmp_path: Pa
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"dora_rl"}, f"generic top-level names in the wheel: {tops - {'dora_rl'}}"
-    assert "dora_rl/schemas/trajectory.avsc" in names and "dora_rl/infra/kafka/pom.xml" in names
+    assert "dora_rl/schemas/trajectory.avsc" in names and "dora_rl/infra/broker/kafka/pom.xml" in names
     assert any(n.startswith("dora_rl/schemas/history/v1/") for n in names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, read_all
-from dora_rl.infra.runs import list_runs
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, read_all
+from dora_rl.infra.kafka.runs import list_runs
 from dora_rl.schemas import codec
 from dora_rl.schemas.records import DeadLetter
 
@@ -108,7 +108,7 @@ def test_console_consumer_reads_trajectories_and_avsc_decodes_them(bootstrap: st
     """The broker's own kafka-console-consumer prints the raw Avro bytes; the .avsc alone decodes them."""
     import subprocess
 
-    from dora_rl.infra.kafka_dist import TOOL_JVM_OPTS, ensure_kafka_jars, java_command, tools_log4j2_config
+    from dora_rl.infra.broker.dist import TOOL_JVM_OPTS, ensure_kafka_jars, java_command, tools_log4j2_config
 
     schema = fastavro.parse_schema(json.loads((codec.SCHEMA_DIR / "trajectory.avsc").read_text()))
     run_id = sync_run["run_id"]
@@ -156,7 +156,7 @@ def test_replay_and_monitor_read_the_recorded_run(bootstrap: str, sync_run: dict
 
 def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, sync_run: dict[str, Any]) -> None:
     """Every new version reached the (single, never restarted) instance through the UCX channel."""
-    from dora_rl.infra.runs import get_run
+    from dora_rl.infra.kafka.runs import get_run
     from dora_rl.schemas.records import Metric, PolicyVersion
 
     info = get_run(bootstrap, sync_run["run_id"])

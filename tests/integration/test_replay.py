@@ -20,7 +20,7 @@ import pytest
 
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.replay.source import KafkaSource, RetentionDeleted, decoded
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.records import PolicyVersion, TrainBatch, Trajectory
 
 pytestmark = pytest.mark.broker

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.filterwarnings("ignore:The httpx m
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apicurio]:
-    from dora_rl.infra.kafka_dist import dora_home, free_port
+    from dora_rl.infra.broker.dist import dora_home, free_port
 
     server = Apicurio(ensure_apicurio(dora_home() / "apicurio"), free_port(),
                       tmp_path_factory.mktemp("apicurio") / "registry.log")
@@ -52,7 +52,7 @@ def test_confluent_framed_records_read_back_by_avro_deserializer(registry: Apicu
     from confluent_kafka.schema_registry.avro import AvroDeserializer
     from confluent_kafka.serialization import MessageField, SerializationContext
 
-    from dora_rl.infra.kafka_io import RecordProducer, read_range, reader_config
+    from dora_rl.infra.kafka.io import RecordProducer, read_range, reader_config
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.registry import ConfluentCodec, SchemaRegistry, is_confluent
 

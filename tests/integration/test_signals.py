@@ -66,7 +66,7 @@ def test_a_signalled_launcher_with_its_output_gone_leaves_no_role(bootstrap: str
 
 def test_an_existing_run_id_is_refused_not_overwritten(bootstrap: str) -> None:
     from dora_rl.config import DoraConfig
-    from dora_rl.infra.runs import RunExists, get_run, start_run
+    from dora_rl.infra.kafka.runs import RunExists, get_run, start_run
 
     config = DoraConfig.from_dict(emulated_run(steps=2))
     first = start_run(bootstrap, config, run_id="run-id-taken")

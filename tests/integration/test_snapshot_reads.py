@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer
-from dora_rl.infra.runs import end_offsets
-from dora_rl.infra.snapshots import latest_snapshot, send_snapshot
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer
+from dora_rl.infra.kafka.runs import end_offsets
+from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
 
 pytestmark = pytest.mark.broker
 
@@ -46,7 +46,7 @@ def test_reading_backwards_yields_every_record_once_in_every_window(bootstrap: s
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from dora_rl.infra.kafka_io import read_backwards
+    from dora_rl.infra.kafka.io import read_backwards
 
     topic = f"test.backwards.{time.time_ns()}"
     admin = AdminClient({"bootstrap.servers": bootstrap})

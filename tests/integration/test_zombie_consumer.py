@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from dora_rl.infra.kafka_io import DeadLetters, RecordProducer, RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
 from dora_rl.schemas.records import Metric
 
 

@@ -1,10 +1,10 @@
-"""What a rollout instance checks on an announcement before acting on it (``infra/announcements.py``)."""
+"""What a rollout instance checks on an announcement before acting on it (``infra/weights/announcements.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from dora_rl.infra.announcements import announcement_problem
+from dora_rl.infra.weights.announcements import announcement_problem
 from dora_rl.infra.weights.manifest import pack_state_dict
 from dora_rl.schemas.records import PolicyVersion
 
@@ -32,7 +32,7 @@ def test_no_holder_a_negative_version_or_a_broken_manifest_is_named() -> None:
 def test_a_signed_announcement_passes_only_unchanged_and_under_the_runs_token() -> None:
     """Decision 0054: the signature covers every field (checked through the wire encoding, as readers see it);
     an unsigned, re-targeted, re-numbered or foreign-keyed announcement is refused by a reader with the token."""
-    from dora_rl.infra.announcements import sign
+    from dora_rl.infra.weights.announcements import sign
 
     ann = sign(_announcement().replace(train_metrics={"loss": 0.25, "reward_mean": 0.5}), "run-token")
     wire = PolicyVersion.decode(*ann.encode())
@@ -53,8 +53,8 @@ def test_a_signed_announcement_passes_only_unchanged_and_under_the_runs_token() 
 
 def test_the_orchestrator_dead_letters_a_forged_announcement_and_schedules_no_version_for_it() -> None:
     from dora_rl.config import DoraConfig
-    from dora_rl.infra import topics
-    from dora_rl.infra.announcements import sign
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.weights.announcements import sign
     from dora_rl.streams.orchestrator import Orchestrator
     from dora_rl.streams.processor import InRecord, MemoryDriver
 
@@ -73,7 +73,7 @@ def test_the_orchestrator_dead_letters_a_forged_announcement_and_schedules_no_ve
 def test_each_announcement_topic_carries_one_kind_of_announcement() -> None:
     """Only the trainer announces versions; holders go to their own topic (decision 0057): a HOLDER record on
     the versions topic, or a TRAINER one on the holders topic, is refused by its readers."""
-    from dora_rl.infra.announcements import kind_problem
+    from dora_rl.infra.weights.announcements import kind_problem
     from dora_rl.schemas.records import PolicyVersion
 
     ann = PolicyVersion(run_id="r", version=1, step=1, created_ms=0, transport="tcp", holders=("h:1",),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.records import BatchPlan, Trajectory
 from dora_rl.streams.assembler import Assembler
 from dora_rl.streams.processor import InRecord, MemoryDriver, OutRecord

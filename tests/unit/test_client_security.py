@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dora_rl.infra import kafka_security as ks
-from dora_rl.infra.broker_security import ROLES, BrokerSecurity, role_grants
-from dora_rl.infra.topics import catalogue
+from dora_rl.infra.broker.security import ROLES, BrokerSecurity, role_grants
+from dora_rl.infra.kafka import security as ks
+from dora_rl.infra.kafka.topics import catalogue
 
 PW = "s3cret-Pa55word"
 

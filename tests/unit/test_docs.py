@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas import codec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ def test_host_id_names_boot_pid_and_net_namespace() -> None:
 
 
 def test_host_id_differs_in_another_network_namespace() -> None:
-    from dora_rl.infra.netns import NetLab, netns_available
+    from dora_rl.infra.lab.netns import NetLab, netns_available
 
     reason = netns_available()
     if reason is not None:

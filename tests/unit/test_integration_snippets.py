@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dora_rl.core.tasks import get_task
-from dora_rl.infra.keys import partition_for
+from dora_rl.infra.kafka.keys import partition_for
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "integration.md").read_text()
 

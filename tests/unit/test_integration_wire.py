@@ -18,7 +18,7 @@ import pytest
 from dora_rl.cli import build_parser
 from dora_rl.config import DoraConfig
 from dora_rl.core.tasks import get_task
-from dora_rl.infra.keys import partition_for
+from dora_rl.infra.kafka.keys import partition_for
 from dora_rl.schemas import codec
 from dora_rl.schemas.registry import registry_schema
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra.keys import make_key, murmur2, parse_key, partition_for
+from dora_rl.infra.kafka.keys import make_key, murmur2, parse_key, partition_for
 
 
 def test_key_round_trip_and_sorting() -> None:

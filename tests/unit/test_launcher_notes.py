@@ -45,7 +45,7 @@ def test_a_run_scored_by_an_outside_service_says_what_it_waits_for() -> None:
 def test_only_a_done_signed_with_the_trainers_key_ends_the_run() -> None:
     """A forged ``done`` (anyone who can write ``dora.metrics``) would end the run and record it FINISHED.
     Every role of the run holds the weight token, so a ``done`` signed with it is passed by too."""
-    from dora_rl.infra.signing import signed
+    from dora_rl.infra.kafka.signing import signed
     from dora_rl.schemas.records import Metric
 
     done = Metric(run_id="r", component="trainer", name="done", value=12.0, ts_ms=0)

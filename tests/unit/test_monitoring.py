@@ -21,8 +21,9 @@ from dora_rl.consumers.dashboard.payload import payload
 from dora_rl.consumers.monitor_render import frame, render
 from dora_rl.consumers.monitor_view import RunView, lag_by_role, tokens_per_wall_s
 from dora_rl.consumers.timeline import Timeline
-from dora_rl.infra import prom, prom_serve, topics
-from dora_rl.infra.lag import PartitionLag, lag_rows, live_lag, run_groups
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.lag import PartitionLag, lag_rows, live_lag, run_groups
+from dora_rl.infra.observability import prom, prom_serve
 from dora_rl.schemas.records import DeadLetter, InstanceStatus, Metric, PolicyVersion
 
 RUN = "r1"
@@ -65,7 +66,7 @@ def test_lag_is_high_minus_position_and_unknowns_have_no_row() -> None:
 def test_a_run_that_ended_has_no_lag() -> None:
     """What came after its roles' last commits (heartbeats, announcements, a commit marker) is not theirs to
     read: ``monitor`` and ``dashboard`` show 0 once the run is FINISHED or FAILED, the lag while it runs."""
-    from dora_rl.infra.lag import for_run_state
+    from dora_rl.infra.kafka.lag import for_run_state
 
     rows = [PartitionLag("dora.r1.orchestrator", "dora.instances", 0, 100, 122), PartitionLag("g", "t", 1, 5, 5)]
     assert [r.lag for r in for_run_state(rows, "STARTED")] == [22, 0]
@@ -305,7 +306,7 @@ def test_grafana_dashboard_and_alert_rules_name_only_exported_families() -> None
     import yaml
     from prometheus_client import REGISTRY
 
-    root = Path(__file__).resolve().parents[2] / "infra" / "grafana"
+    root = Path(__file__).resolve().parents[2] / "infra" / "observability" / "grafana"
     dashboard = json.loads((root / "dora-dashboard.json").read_text())
     rules = yaml.safe_load((root / "dora-alerts.yml").read_text())
     assert yaml.safe_load((root / "prometheus.yml").read_text())["rule_files"] == ["dora-alerts.yml"]

@@ -18,7 +18,7 @@ from dora_rl.consumers.replay.source import RawRecord, by_version
 from dora_rl.consumers.trainer import checkpoint
 from dora_rl.consumers.trainer.session import start_session
 from dora_rl.consumers.trainer.step import build_state, single_thread
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.records import PolicyVersion, RunInfo, TopicOffset, TrainBatch, Trajectory
 
 CONFIG = DoraConfig.from_dict({"mode": "dora", "model": "tiny:1m", "train_batch_size": 2, "group_size": 2,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.records import PolicyVersion, Prompt, TokenChunk
 from dora_rl.streams.orchestrator import Orchestrator
 from dora_rl.streams.processor import Context, InRecord, MemoryDriver, OutRecord, Ref

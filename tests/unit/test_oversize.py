@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, RecordTooLarge
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, RecordTooLarge
 
 
 def test_every_topic_has_a_record_limit_and_the_producer_checks_it() -> None:

@@ -16,8 +16,8 @@ import torch
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.replay.source import RawRecord, by_version, retention_losses
 from dora_rl.core.staleness import StalenessBound
-from dora_rl.infra import topics
-from dora_rl.infra.keys import make_key
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.keys import make_key
 from dora_rl.schemas.records import Provenance, RunInfo, TopicOffset, TrainBatch, Trajectory
 
 

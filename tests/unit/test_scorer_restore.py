@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dora_rl.core.rewards import RewardError
-from dora_rl.infra import topics
+from dora_rl.infra.kafka import topics
 from dora_rl.schemas.records import Trajectory
 from dora_rl.streams.processor import InRecord, MemoryDriver, OutRecord
 from dora_rl.streams.reward_scorer import Scorer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dora_rl.infra import topic_docs, topics
+from dora_rl.infra.kafka import topic_docs, topics
 from dora_rl.schemas.codec import SCHEMA_FILES
 from dora_rl.schemas.records import RECORDS
 
@@ -23,8 +23,8 @@ SOURCE_DIRS = ("producers", "streams", "consumers", "infra", "bench")
 CONSTANTS = {name: value for name, value in vars(topics).items()
              if name.isupper() and isinstance(value, str) and value.startswith("dora.")}
 
-# Topics some code reaches through a helper instead of naming the constant (``infra/kafka_io.py``,
-# ``infra/runs.py``): a module calling the helper reads/writes the topic.
+# Topics some code reaches through a helper instead of naming the constant (``infra/kafka/io.py``,
+# ``infra/kafka/runs.py``): a module calling the helper reads/writes the topic.
 HELPERS: dict[str, tuple[str, ...]] = {
     topics.METRICS: ("Metrics(",),
     topics.DLQ: ("DeadLetters(",),
@@ -35,7 +35,8 @@ ANY_TOPIC: dict[str, str] = {"replay": "topics.spec("}
 # Modules that name topic constants without being a writer/reader themselves (helpers, tooling).
 # shared machinery, not actors: the client layer, the catalogue itself, and the Prometheus hooks (they
 # observe what the calling role sends, and announce its endpoint on that role's behalf)
-NOT_ACTORS = {"infra/kafka_io.py", "infra/topics.py", "infra/topic_docs.py", "infra/prom.py", "infra/prom_serve.py"}
+NOT_ACTORS = {"infra/kafka/io.py", "infra/kafka/topics.py", "infra/kafka/topic_docs.py", "infra/observability/prom.py",
+              "infra/observability/prom_serve.py"}
 # Known disagreements between a schema's ``doc`` and the catalogue, in files this test does not own.
 # Remove an entry when the schema doc is fixed (the test fails until then, and again after, to say so).
 KNOWN_SCHEMA_DOC_DRIFT: set[tuple[str, str]] = set()
@@ -51,7 +52,7 @@ def _references(module: str, topic: str, actor: str) -> bool:
 
 def test_generated_docs_match_the_catalogue() -> None:
     stale = topic_docs.drifted(ROOT)
-    assert not stale, f"{[str(p.relative_to(ROOT)) for p in stale]} drifted from infra/topics.py: " \
+    assert not stale, f"{[str(p.relative_to(ROOT)) for p in stale]} drifted from infra/kafka/topics.py: " \
                       "run `dora-rl topics doc` and commit the result"
 
 

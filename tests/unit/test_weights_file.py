@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dora_rl.infra import weight_sync
-from dora_rl.infra.weight_sync import Fetcher, Publisher
 from dora_rl.infra.weights import (
     FetchStats,
     WeightFetchError,
@@ -19,8 +17,10 @@ from dora_rl.infra.weights import (
     make_weight_client,
     make_weight_server,
 )
+from dora_rl.infra.weights import sync as weight_sync
 from dora_rl.infra.weights.file import bucket_path, index_path
 from dora_rl.infra.weights.streams import split_buckets
+from dora_rl.infra.weights.sync import Fetcher, Publisher
 from dora_rl.schemas.records import PolicyVersion
 
 TOKEN = "run-secret"
@@ -136,7 +136,7 @@ def test_file_publisher_writes_under_run_dir_weights(tmp_path: Path) -> None:
 
 def test_one_fetch_stats_type() -> None:
     assert weight_sync.FetchStats is FetchStats
-    root = Path(weight_sync.__file__).resolve().parents[1]
+    root = Path(weight_sync.__file__).resolve().parents[2]
     defs = {p.resolve().relative_to(root).as_posix()
             for d in ("infra", "producers", "consumers", "streams", "schemas", "dora_rl", "bench")
             for p in (root / d).rglob("*.py") if re.search(r"^class FetchStats\b", p.read_text(), re.M)}

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 
-from dora_rl.infra.announcements import sign
+from dora_rl.infra.endpoints import Endpoints
+from dora_rl.infra.weights.announcements import sign
+from dora_rl.infra.weights.channel import make_weight_client, make_weight_server
+from dora_rl.infra.weights.fetcher import FetchStats
+from dora_rl.infra.weights.manifest import WeightManifest
 from dora_rl.schemas.records import PolicyVersion
-
-from .endpoints import Endpoints
-from .weights.channel import make_weight_client, make_weight_server
-from .weights.fetcher import FetchStats
-from .weights.manifest import WeightManifest
 
 
 class Publisher:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from dora_rl.infra import topics
-from dora_rl.infra.kafka_io import RecordProducer, now_ms, read_backwards
-from dora_rl.infra.signing import signature_problem, signed
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, now_ms, read_backwards
+from dora_rl.infra.kafka.signing import signature_problem, signed
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import InputPosition, ProcessorSnapshot
 

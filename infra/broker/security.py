@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import topics
-from .kafka_security import ClientSecurity, client_config, write_client_config, write_private
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.security import ClientSecurity, client_config, write_client_config, write_private
 
 __all__ = [
     "ROLES",

@@ -1,6 +1,6 @@
 """Fetch a real Apache Kafka distribution from Maven Central and run its Java classes (tools, broker JVMs).
 
-No Kafka tarball or Docker image is needed: ``infra/kafka/pom.xml`` (shipped as package data) lists the
+No Kafka tarball or Docker image is needed: ``infra/broker/kafka/pom.xml`` (shipped as package data) lists the
 broker (``kafka_2.13``), the CLI tools (``kafka-tools``) and the log4j 2 SLF4J binding that the published
 POMs leave out. :func:`ensure_kafka_jars` resolves that POM once with ``mvn`` into
 ``$DORA_HOME/kafka/kafka-<version>/lib`` and :func:`run_kafka_tool` runs any Kafka CLI class with
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .kafka_security import ClientSecurity
+    from dora_rl.infra.kafka.security import ClientSecurity
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
@@ -329,11 +329,11 @@ def wait_for_brokers(
     """Poll metadata (confluent-kafka AdminClient) until *count* brokers are registered.
 
     *deadline* is a ``time.monotonic()`` value; *security* defaults to the process's
-    (:func:`~dora_rl.infra.kafka_security.current`). Returns ``{node_id: "host:port"}``.
+    (:func:`~dora_rl.infra.kafka.security.current`). Returns ``{node_id: "host:port"}``.
     """
     from confluent_kafka.admin import AdminClient
 
-    from .kafka_security import client_config
+    from dora_rl.infra.kafka.security import client_config
 
     admin = AdminClient(client_config(bootstrap, security=security, log_level=2))
     last: object = None

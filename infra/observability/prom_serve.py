@@ -1,4 +1,4 @@
-"""The ``/metrics`` endpoint of a role process (the families are :mod:`dora_rl.infra.prom`).
+"""The ``/metrics`` endpoint of a role process (the families are :mod:`dora_rl.infra.observability.prom`).
 
 Configuration comes from the process's environment (a fact of its host, like
 :mod:`dora_rl.infra.endpoints`):
@@ -18,7 +18,7 @@ Announcement (the endpoint is discoverable without knowing the port in advance):
 3. the file ``$DORA_HOME/metrics-endpoints/<run>.<name>.json``, in Prometheus ``file_sd`` format
    (``[{"targets": ["host:port"], "labels": {...}}]``): one flat directory, so a Prometheus on the host
    scrapes every role of every run with one glob in the last path segment (the only place ``file_sd``
-   allows one; ``infra/grafana/prometheus.yml``). The file is removed when the process exits normally.
+   allows one; ``infra/observability/grafana/prometheus.yml``). The file is removed when the process exits normally.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .endpoints import Endpoints
+from dora_rl.infra.endpoints import Endpoints
 
 log = logging.getLogger(__name__)
 METRICS_ENV, PORT_ENV = "DORA_METRICS", "DORA_METRICS_PORT"
@@ -85,7 +85,7 @@ def requested_port(env: dict[str, str] | None = None) -> int:
 
 def endpoints_dir() -> Path:
     """``$DORA_HOME/metrics-endpoints``: every endpoint file of every run on this host."""
-    from .kafka_dist import dora_home
+    from dora_rl.infra.broker.dist import dora_home
 
     return dora_home() / "metrics-endpoints"
 
@@ -102,9 +102,11 @@ def serve(bootstrap: str, run_id: str, role: str, name: str) -> MetricsEndpoint 
         return None
     from prometheus_client import start_http_server
 
-    from . import prom
+    from dora_rl.infra.kafka import events
+    from dora_rl.infra.observability import prom
 
     prom.role_info(run_id, role, name)
+    events.report_to(prom)  # the Kafka clients' counts and consumers, from now on
     ep = Endpoints.from_env()
     port = requested_port()
     try:
@@ -138,10 +140,9 @@ def _write_file(endpoint: MetricsEndpoint) -> None:
 
 
 def _announce(bootstrap: str, endpoint: MetricsEndpoint) -> None:
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.io import RecordProducer, now_ms
     from dora_rl.schemas.records import Metric
-
-    from . import topics
-    from .kafka_io import RecordProducer, now_ms
 
     try:
         producer = RecordProducer(bootstrap, f"{endpoint.name}-metrics-{endpoint.run_id}")

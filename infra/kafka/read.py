@@ -3,8 +3,8 @@
 These readers assign partitions explicitly and never commit (their ``dora-reader-*``-style group ids
 only satisfy librdkafka). They read ``read_committed``: transaction markers occupy offsets but are never
 delivered, so progress is measured by positions, not by counting records. Security: every reader gets
-the process's :mod:`~dora_rl.infra.kafka_security` settings; a refused credential or ACL raises
-:class:`~dora_rl.infra.kafka_security.KafkaSecurityError` naming the code (metadata is asked in 1 s
+the process's :mod:`~dora_rl.infra.kafka.security` settings; a refused credential or ACL raises
+:class:`~dora_rl.infra.kafka.security.KafkaSecurityError` naming the code (metadata is asked in 1 s
 slices with the error callback served in between, so that happens within about a second).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from . import topics
-from .kafka_security import ClientSecurity, check_kafka_error, client_config, on_client_error
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.security import ClientSecurity, check_kafka_error, client_config, on_client_error
 
 __all__ = ["metadata", "now_ms", "read_all", "read_backwards", "read_range", "reader_config",
            "surface_security_error", "watermarks"]

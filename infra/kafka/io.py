@@ -13,11 +13,11 @@ and never misses its own records. Records of other runs are skipped.
 Bad input. A value that cannot be decoded (or that fails validation by the caller) is written to
 ``dora.dlq`` with the reason and the original bytes, its offset is committed, and the role goes on.
 
-The group-less readers (``read_all``, ``read_backwards``, …) live in :mod:`~dora_rl.infra.kafka_read` and are
-re-exported here. Security. Every client gets the process's :mod:`~dora_rl.infra.kafka_security` settings. Wrong
-credentials or a missing ACL (:data:`~dora_rl.infra.kafka_security.SECURITY_ERROR_NAMES`) are fatal:
+The group-less readers (``read_all``, ``read_backwards``, …) live in :mod:`~dora_rl.infra.kafka.read` and are
+re-exported here. Security. Every client gets the process's :mod:`~dora_rl.infra.kafka.security` settings. Wrong
+credentials or a missing ACL (:data:`~dora_rl.infra.kafka.security.SECURITY_ERROR_NAMES`) are fatal:
 whether reported to the client's error callback, in a delivery report, a consumer error or a failed call,
-they raise :class:`~dora_rl.infra.kafka_security.KafkaSecurityError` naming the code from the next
+they raise :class:`~dora_rl.infra.kafka.security.KafkaSecurityError` naming the code from the next
 poll/consume/flush, instead of being retried; other client errors keep their behaviour (logged, retried).
 """
 
@@ -31,11 +31,8 @@ from typing import Any
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from dora_rl.schemas.codec import DecodeError
-from dora_rl.schemas.records import DeadLetter, Metric, Record
-
-from . import prom, topics
-from .kafka_read import (
+from dora_rl.infra.kafka import events, topics
+from dora_rl.infra.kafka.read import (
     metadata,
     now_ms,
     read_all,
@@ -45,7 +42,7 @@ from .kafka_read import (
     surface_security_error,
     watermarks,
 )
-from .kafka_security import (
+from dora_rl.infra.kafka.security import (
     ClientSecurity,
     KafkaSecurityError,
     check_kafka_error,
@@ -54,6 +51,8 @@ from .kafka_security import (
     on_client_error,
     security_errors_fatal,
 )
+from dora_rl.schemas.codec import DecodeError
+from dora_rl.schemas.records import DeadLetter, Metric, Record
 
 __all__ = [  # the readers live in kafka_read and are re-exported here, their long-standing home
     "DeadLetters",
@@ -170,7 +169,7 @@ class RecordProducer:
         """Queue one record (schemaless Avro + schema headers). Non-blocking; see :meth:`flush`."""
         value, headers = record.encode()
         self.send_raw(topic, value, key.encode(), headers, partition)
-        prom.record_sent(topic, record)
+        events.sent(topic, record)
 
     def send_raw(self, topic: str, value: bytes | None, key: bytes | None,
                  headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> None:
@@ -256,7 +255,7 @@ class DeadLetters:
             dlq_key = letter_key(msg)
         self.producer.send_raw(topics.DLQ, letter.encode()[0], dlq_key.encode(), letter.encode()[1])
         self.count += 1
-        prom.dead_letter(self.component, error_type)
+        events.dead_lettered(self.component, error_type)
         log.warning("dead-lettered %s[%s]@%s from %s: %s", letter.source_topic, letter.source_partition,
                     letter.source_offset, self.component, reason)
 
@@ -276,8 +275,8 @@ class Metrics:
                           ts_ms=now_ms(), step=step, version=version, labels=dict(labels)))
 
     def emit_signed(self, name: str, value: float, token: str, step: int | None = None) -> None:
-        """Queue one observation a reader acts on, signed with the run's ``token`` (``infra/signing.py``)."""
-        from .signing import signed
+        """Queue one observation a reader acts on, signed with the run's ``token`` (``infra/kafka/signing.py``)."""
+        from dora_rl.infra.kafka.signing import signed
 
         self._send(signed(Metric(run_id=self.run_id, component=self.component, name=name, value=float(value),
                                  ts_ms=now_ms(), step=step), token))
@@ -377,7 +376,7 @@ class RunConsumer:
                                   f"consumer group {group}: partitions and committed offsets")
         else:
             self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
-        prom.watch_consumer(self._consumer, group, bootstrap)
+        events.consumer_opened(self._consumer, group, bootstrap)
         self.skipped_other_runs = 0
         self.last_poll_count = 0
 
@@ -429,4 +428,4 @@ class RunConsumer:
 
     def close(self) -> None:
         """Leave the group."""
-        prom.release_consumer(self._consumer)
+        events.consumer_closing(self._consumer)

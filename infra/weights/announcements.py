@@ -10,7 +10,7 @@ does not (it could not fetch the weights either).
 
 from __future__ import annotations
 
-from dora_rl.infra.signing import signature_problem, signed
+from dora_rl.infra.kafka.signing import signature_problem, signed
 from dora_rl.schemas.records import PolicyVersion
 
 

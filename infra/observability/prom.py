@@ -1,11 +1,12 @@
 """Prometheus metrics of a role process: the families, the state behind them, and the hooks roles call.
 
-Every family is prefixed ``dora_``; the endpoint that serves them is :mod:`dora_rl.infra.prom_serve`.
+Every family is prefixed ``dora_``; the endpoint that serves them is :mod:`dora_rl.infra.observability.prom_serve`.
 
-Any process that produces or consumes through :mod:`dora_rl.infra.kafka_io` (every role):
+Any process that produces or consumes through :mod:`dora_rl.infra.kafka.io` (every role), once its endpoint
+serves (:mod:`dora_rl.infra.kafka.events` reports the clients to this module):
 
 - ``dora_consumer_lag_records{group,topic,partition}`` (gauge): ``max(0, high - position)`` of each
-  partition a watched consumer holds (:mod:`dora_rl.infra.lag`), computed when scraped; also
+  partition a watched consumer holds (:mod:`dora_rl.infra.kafka.lag`), computed when scraped; also
   ``dora_consumer_position`` and ``dora_consumer_high_watermark`` with the same labels.
 - ``dora_records_sent_total{topic}`` (counter): records queued for each topic (throughput of outputs).
 - ``dora_dead_letters_total{component,error_type}`` (counter): refusals written to ``dora.dlq``.
@@ -16,7 +17,7 @@ Trainer (:func:`trained_batch`, once per trained batch, after its transaction co
 - ``dora_trainer_steps_total``, ``dora_trainer_trajectories_total`` (counters), ``dora_trainer_version``
   (gauge: the version the last update published, ``train_step + 1``),
   ``dora_trainer_last_step_timestamp_seconds`` (gauge: Unix time of the last trained batch; a stalled
-  run is one whose trainer is up and this is old, ``infra/grafana/dora-alerts.yml``);
+  run is one whose trainer is up and this is old, ``infra/observability/grafana/dora-alerts.yml``);
 - ``dora_trainer_staleness`` (histogram, buckets ``le = 0, 1, …, S`` and ``+Inf``): one observation per
   trained trajectory, ``version_of_update - trajectory_version`` with ``version_of_update`` the batch's
   base version (the rule of :mod:`dora_rl.core.staleness`); bucket ``le = s`` counts ``staleness <= s``;
@@ -51,11 +52,10 @@ from prometheus_client import REGISTRY, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.lag import HighWatermarks, PartitionLag, live_lag
 from dora_rl.schemas.records import DeadLetter, InstanceStatus
 from dora_rl.schemas.records import Metric as MetricRecord
-
-from . import topics
-from .lag import HighWatermarks, PartitionLag, live_lag
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -310,7 +310,7 @@ def release_consumer(consumer: Any) -> None:
 
 @_never_raises
 def record_sent(topic: str, record: Any) -> None:
-    """A record was queued for ``topic`` (every typed send of :class:`~dora_rl.infra.kafka_io.RecordProducer`)."""
+    """A record was queued for ``topic`` (every typed send of :class:`~dora_rl.infra.kafka.io.RecordProducer`)."""
     RECORDS_SENT.labels(topic).inc()
     if topic == topics.DLQ and isinstance(record, DeadLetter):
         DEAD_LETTERS.labels(record.component, record.error_type).inc()
@@ -326,7 +326,7 @@ def record_sent(topic: str, record: Any) -> None:
 
 @_never_raises
 def dead_letter(component: str, error_type: str) -> None:
-    """A refusal was written to ``dora.dlq`` as raw bytes (:class:`~dora_rl.infra.kafka_io.DeadLetters`)."""
+    """A refusal was written to ``dora.dlq`` as raw bytes (:class:`~dora_rl.infra.kafka.io.DeadLetters`)."""
     RECORDS_SENT.labels(topics.DLQ).inc()
     DEAD_LETTERS.labels(component, error_type).inc()
 

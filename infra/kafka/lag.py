@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from .kafka_read import now_ms, reader_config, watermarks
-from .kafka_security import client_config
+from dora_rl.infra.kafka.read import now_ms, reader_config, watermarks
+from dora_rl.infra.kafka.security import client_config
 
 TP = tuple[str, int]
 

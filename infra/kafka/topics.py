@@ -3,7 +3,7 @@
 Each :class:`TopicSpec` declares, once: name, record schema, writers and readers, key format,
 partitioning rule, partition count, retention, cleanup policy, message-size limit and purpose.
 ``docs/topics.md`` and the topic table of ``README.md`` are generated from it
-(``dora-rl topics doc``; :mod:`dora_rl.infra.topic_docs`), and a unit test fails when they drift
+(``dora-rl topics doc``; :mod:`dora_rl.infra.kafka.topic_docs`), and a unit test fails when they drift
 from it or when a declared writer/reader no longer references the topic in its code.
 
 Invariants (checked when a spec is built):
@@ -57,7 +57,7 @@ Partitioning = Literal["group_id", "instance", "single"]
 Cleanup = Literal["delete", "compact"]
 
 PARTITIONING_RULES: dict[str, str] = {
-    "group_id": "the producer picks `(murmur2(group_id) & 0x7fffffff) % num_partitions` (`infra/keys.py`), "
+    "group_id": "the producer picks `(murmur2(group_id) & 0x7fffffff) % num_partitions` (`infra/kafka/keys.py`), "
                 "so a group stays on one partition across versions",
     "instance": "the orchestrator sets partition = the target rollout instance's index",
     "single": "one partition: a total order",
@@ -85,22 +85,22 @@ _ROLE_ENTRY = "dora_rl/roles.py"  # every role reads its run from dora.runs here
 ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("dataset", "role", "dora-rl dataset", ("producers/dataset.py", _ROLE_ENTRY), "writes a run's prompts"),
     Actor("orchestrator", "role", "dora-rl orchestrator",
-          ("streams/orchestrator.py", "streams/kafka_runtime.py", "infra/snapshots.py", _ROLE_ENTRY),
+          ("streams/orchestrator.py", "streams/kafka_runtime.py", "infra/kafka/snapshots.py", _ROLE_ENTRY),
           "dispatches version-tagged requests, migrates trajectories, plans every batch"),
     Actor("rollout", "role", "dora-rl rollout --index i",
           ("producers/rollout/worker.py", "producers/rollout/requests.py", "producers/rollout/poison.py",
            "producers/rollout/identity.py",
-           "infra/snapshots.py", _ROLE_ENTRY),
+           "infra/kafka/snapshots.py", _ROLE_ENTRY),
           "a rollout instance: holds one policy version, generates what it is asked"),
     Actor("scorer", "role", "dora-rl scorer",
-          ("streams/reward_scorer.py", "streams/kafka_runtime.py", "infra/snapshots.py", _ROLE_ENTRY),
+          ("streams/reward_scorer.py", "streams/kafka_runtime.py", "infra/kafka/snapshots.py", _ROLE_ENTRY),
           "scores trajectories (Kafka transactions: exactly-once)"),
     Actor("assembler", "role", "dora-rl assembler",
-          ("streams/assembler.py", "streams/kafka_runtime.py", "infra/snapshots.py", _ROLE_ENTRY),
+          ("streams/assembler.py", "streams/kafka_runtime.py", "infra/kafka/snapshots.py", _ROLE_ENTRY),
           "materialises planned batches, staleness gate (transactions: exactly one batch per step)"),
     Actor("trainer", "role", "dora-rl trainer", ("consumers/trainer/role.py", _ROLE_ENTRY),
           "trains each batch, announces each new version"),
-    Actor("run", "tool", "dora-rl run", ("dora_rl/launcher.py", "infra/runs.py", "consumers/dashboard/plot.py"),
+    Actor("run", "tool", "dora-rl run", ("dora_rl/launcher.py", "infra/kafka/runs.py", "consumers/dashboard/plot.py"),
           "records the run, launches the roles, follows progress"),
     Actor("monitor", "tool", "dora-rl monitor", ("consumers/monitor.py", "consumers/monitor_feed.py",
                                                  "consumers/monitor_view.py"),
@@ -115,7 +115,7 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
            "consumers/replay/export.py"),
           "re-runs a recorded run: records as JSON lines (any topic via --topic), retrain, rescore, refeed, "
           "export, archive (docs/decisions/0020)"),
-    Actor("runs", "tool", "dora-rl runs", ("infra/runs.py",), "lists the runs recorded on the cluster"),
+    Actor("runs", "tool", "dora-rl runs", ("infra/kafka/runs.py",), "lists the runs recorded on the cluster"),
     Actor("bench", "tool", "make bench-modes, bench/chaos.py, bench/kill_run.py, bench/real_modes.py",
           ("bench/modes.py", "bench/chaos.py", "bench/kill_run.py", "bench/real_modes.py"),
           "reads runs' figures back (chaos: kill times against each role's first new output)"),
@@ -144,7 +144,7 @@ class TopicSpec:
     writers: tuple[str, ...]
     readers: tuple[str, ...]
     key: str
-    """Key format (infra/keys.py); ``<...>`` are placeholders."""
+    """Key format (infra/kafka/keys.py); ``<...>`` are placeholders."""
     partitioning: Partitioning
     retention_ms: int | None
     """``retention.ms``; None: none set (compacted, or the broker default)."""
@@ -309,7 +309,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                         "transaction (streams/kafka_runtime.py); a rollout instance's poison-input tries "
                         "(key `<run_id>/rollout-<i>.attempts`) are flushed before each engine call "
                         "(producers/rollout/poison.py). A restarted role reads its latest record backwards "
-                        "from the end (infra/snapshots.py, docs/decisions/0015)."),
+                        "from the end (infra/kafka/snapshots.py, docs/decisions/0015)."),
         TopicSpec(RUNS, 1, "dora.v1.RunInfo", "run lifecycle: config, start offsets, state, summary",
                   writers=("run", "trainer", "replay"),
                   readers=(*ROLE_NAMES, "monitor", "dashboard", "audit", "replay", "runs", "bench"),
@@ -328,7 +328,7 @@ topic whose spec sets no ``max_message_bytes``."""
 @functools.cache
 def max_record_bytes(name: str) -> int:
     """The largest record (key + value, before compression) that ``name`` accepts; producers check it
-    before sending (:class:`dora_rl.infra.kafka_io.RecordTooLarge`), so an oversize record is refused
+    before sending (:class:`dora_rl.infra.kafka.io.RecordTooLarge`), so an oversize record is refused
     with a reason instead of failing a whole flush or transaction. Cached: it is asked on every send,
     and the catalogue is fixed."""
     try:

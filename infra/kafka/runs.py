@@ -15,12 +15,11 @@ from collections.abc import Mapping
 from confluent_kafka import Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
+from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.io import RecordProducer, metadata, now_ms, read_all, reader_config, watermarks
+from dora_rl.infra.kafka.security import client_config, security_errors_fatal
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RunInfo, TopicOffset
-
-from . import topics
-from .kafka_io import RecordProducer, metadata, now_ms, read_all, reader_config, watermarks
-from .kafka_security import client_config, security_errors_fatal
 
 
 def new_run_id() -> str:

@@ -1,0 +1,2 @@
+"""What a role shows about itself: Prometheus metrics and their endpoint, and log set-up.
+"""
