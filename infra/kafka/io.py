@@ -381,7 +381,11 @@ class RunConsumer:
         self.last_poll_count = 0
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        resume_assigned(consumer, partitions, self.start_offsets)
+        try:
+            resume_assigned(consumer, partitions, self.start_offsets)
+        except KafkaException as exc:  # an assignment served while the consumer closes: nothing to resume
+            if not (exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].code() == KafkaError._DESTROY):
+                raise
 
     def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Envelope]:
         """Decoded records of this run; bad ones are dead-lettered, other runs' skipped."""

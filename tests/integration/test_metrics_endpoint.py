@@ -86,6 +86,41 @@ def value(fams: dict[str, list[Any]], family: str, sample: str | None = None, **
     return None
 
 
+def kafka_tool_lag(bootstrap: str, groups: list[str]) -> dict[tuple[str, str, int], tuple[int, int, int]]:
+    """(group, topic, partition) -> (current offset, log end offset, lag), as ``kafka-consumer-groups
+    --describe`` prints them (partitions without a committed offset left out)."""
+    from dora_rl.infra.broker.dist import run_kafka_tool
+
+    args = ["--bootstrap-server", bootstrap, "--describe"] + [a for g in groups for a in ("--group", g)]
+    out = run_kafka_tool("kafka-consumer-groups", args, timeout=120, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[0] in groups and f[2].isdigit() and f[3].isdigit():
+            rows[(f[0], f[1], int(f[2]))] = (int(f[3]), int(f[4]), int(f[5]))
+    return rows
+
+
+def assert_lag_is_kafka_tools(bootstrap: str, run_id: str) -> None:
+    """The run's committed lag (``lag.committed_lag``, what ``monitor`` and the dashboard read) row for row
+    equal to Kafka's tool; retried when another test's writes moved a shared partition in between."""
+    from dora_rl.infra.kafka.lag import committed_lag
+
+    def ours() -> dict[tuple[str, str, int], tuple[int, int, int]]:
+        return {(r.group, r.topic, r.partition): (r.position, r.high, r.lag) for r in committed_lag(bootstrap, run_id)}
+
+    for _ in range(3):
+        before = ours()
+        theirs = kafka_tool_lag(bootstrap, sorted({g for g, _, _ in before}))
+        if before == theirs:
+            assert len(before) >= 5, before  # the run's groups on their partitions: a real comparison
+            return
+        if ours() == before:  # nothing moved meanwhile: a real disagreement
+            break
+    assert before == theirs, {k: (before.get(k), theirs.get(k)) for k in set(before) | set(theirs)
+                              if before.get(k) != theirs.get(k)}
+
+
 def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.config import DoraConfig
     from dora_rl.consumers.audit import audit_records, audit_run
@@ -184,6 +219,21 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     full = audit_run(bootstrap, run_id)
     assert full.verdict == "PASS", full.render()
     assert all(full.staleness_histogram.get(s, 0) >= n for s, n in per_bucket.items())
+
+    # one definition of lag: every group of the run, from its committed offsets, is what Kafka's own
+    # consumer-group tool reports (the run ended, so nothing moves); the monitor and the dashboard, which
+    # read the same feed, show 0 for the finished run
+    assert_lag_is_kafka_tools(bootstrap, run_id)
+    from dora_rl.consumers.monitor_feed import RunFeed
+    from dora_rl.consumers.monitor_view import lag_by_role
+
+    feed = RunFeed(bootstrap, run_id, "monitor", lag_every_s=0)
+    try:
+        feed.refresh()
+        assert feed.view.state == "FINISHED" and feed.view.lag, (feed.view.state, feed.view.lag)
+        assert [r.lag for r in lag_by_role(feed.view.lag, run_id)] == [0] * len(lag_by_role(feed.view.lag, run_id))
+    finally:
+        feed.close()
 
     # every run ends with its plot, beside both summaries
     assert (rdir / "summary.png").stat().st_size > 10_000
