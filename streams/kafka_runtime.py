@@ -51,6 +51,7 @@ from dora_rl.infra.kafka.io import (
     reader_config,
     resume_all_partitions,
 )
+from dora_rl.infra.kafka.lag import LagProbe
 from dora_rl.infra.kafka.security import security_errors_fatal
 from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
 from dora_rl.infra.observability import prom
@@ -117,7 +118,9 @@ class KafkaDriver:
                                        **{"transactional.id": f"dora.{run_id}.{name}"})
         self.producer.init_transactions(60)  # fences and aborts any predecessor; a refused id is fatal
         self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.{name}", f"{name}-{run_id}"))
-        prom.watch_consumer(self.consumer, f"dora.{run_id}.{name}", bootstrap)
+        self.lag = LagProbe(f"dora.{run_id}.{name}")  # recorded after each poll; read by the metrics endpoint
+        prom.watch_consumer(self.consumer, self.lag, bootstrap)
+        self.assigned: list[TopicPartition] = []  # set by start()
         self.fetcher = RefFetcher(bootstrap, self.record_types)
         self._cache: dict[Ref, Any] = {}
         self.ctx = Context(self._fetch_many, time.time)
@@ -145,6 +148,7 @@ class KafkaDriver:
         self._cache.clear()
         missing = resume_all_partitions(self.consumer, self.record_types, start,
                                         f"{self.proc.name}: inputs and committed offsets")
+        self.assigned = list(self.consumer.assignment())
         if snap is None and len(missing) < len(self.consumer.assignment()):
             raise RuntimeError(f"{self.proc.name}: its group committed input offsets but no snapshot of it is "
                                "found (each commit writes both): its state is lost, e.g. a record written under "
@@ -165,6 +169,7 @@ class KafkaDriver:
             else:  # wait for the first record only, then take what is fetched (or arrives within linger_s)
                 first = self.consumer.poll(timeout)
                 msgs = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, self.linger_s)]
+        self.lag.record(self.consumer, self.assigned)
         n = 0
         for msg in msgs:
             if not is_record(msg):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from dora_rl.infra.kafka.lag import LagProbe
+
 
 class ClientObserver(Protocol):
     """Receives what the clients do (``prom`` implements it as module functions)."""
@@ -22,7 +24,7 @@ class ClientObserver(Protocol):
 
     def dead_letter(self, component: str, error_type: str) -> None: ...
 
-    def watch_consumer(self, consumer: Any, group: str, bootstrap: str) -> None: ...
+    def watch_consumer(self, consumer: Any, probe: LagProbe, bootstrap: str) -> None: ...
 
     def release_consumer(self, consumer: Any) -> None: ...
 
@@ -45,9 +47,10 @@ def dead_lettered(component: str, error_type: str) -> None:
         o.dead_letter(component, error_type)
 
 
-def consumer_opened(consumer: Any, group: str, bootstrap: str) -> None:
+def consumer_opened(consumer: Any, probe: LagProbe, bootstrap: str) -> None:
+    """``consumer`` is open; its owner records its lag in ``probe`` after each poll."""
     for o in _observer:
-        o.watch_consumer(consumer, group, bootstrap)
+        o.watch_consumer(consumer, probe, bootstrap)
 
 
 def consumer_closing(consumer: Any) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from dora_rl.infra.kafka import events, topics
+from dora_rl.infra.kafka.lag import LagProbe
 from dora_rl.infra.kafka.read import (
     metadata,
     now_ms,
@@ -371,27 +372,31 @@ class RunConsumer:
         self.start_offsets = dict(start_offsets or {})
         group = self._group = f"dora.{run_id}.{component}{group_suffix}"
         self._consumer = Consumer(consumer_config(bootstrap, group, f"{component}-{run_id}", **extra))
+        self.assigned: list[TopicPartition] = []  # kept here: other threads never call the consumer (LagProbe)
+        self._closing = False
         if assign:
             resume_all_partitions(self._consumer, self.record_types, self.start_offsets,
                                   f"consumer group {group}: partitions and committed offsets")
+            self.assigned[:] = self._consumer.assignment()
         else:
             self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
-        events.consumer_opened(self._consumer, group, bootstrap)
+        self.lag = LagProbe(group)
+        events.consumer_opened(self._consumer, self.lag, bootstrap)
         self.skipped_other_runs = 0
         self.last_poll_count = 0
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        try:
-            resume_assigned(consumer, partitions, self.start_offsets)
-        except KafkaException as exc:  # an assignment served while the consumer closes: nothing to resume
-            if not (exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].code() == KafkaError._DESTROY):
-                raise
+        if self._closing:  # an assignment served by close() itself: nothing will be read, nothing to resume
+            return
+        self.assigned[:] = partitions
+        resume_assigned(consumer, partitions, self.start_offsets)
 
     def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Envelope]:
         """Decoded records of this run; bad ones are dead-lettered, other runs' skipped."""
         out: list[Envelope] = []
         with security_errors_fatal(f"consumer group {self._group}"):
             msgs = self._consumer.consume(max_records, timeout)
+        self.lag.record(self._consumer, self.assigned)
         self.last_poll_count = len(msgs)
         for msg in msgs:
             if not is_record(msg):
@@ -432,4 +437,5 @@ class RunConsumer:
 
     def close(self) -> None:
         """Leave the group."""
+        self._closing = True
         events.consumer_closing(self._consumer)

@@ -11,8 +11,8 @@ the next record the consumer will read. A partition whose position or high water
 
 Two sources of positions, both reduced by :func:`lag_rows`:
 
-- a live consumer's in-memory positions (:func:`live_lag`; what the role's Prometheus endpoint
-  reports; local calls only, so a scrape never blocks the role's consumer);
+- a live consumer's in-memory positions, recorded by its owner after each poll (:class:`LagProbe`; what
+  the role's Prometheus endpoint reports; a scrape never calls the role's consumer);
 - the committed offsets of a run's consumer groups ``dora.<run>.<component>`` (:func:`committed_lag`,
   through the AdminClient; what ``dora-rl monitor`` shows for roles on any host). A group commits after
   its outputs are flushed, so committed lag is an upper bound of the live one.
@@ -21,7 +21,7 @@ Two sources of positions, both reduced by :func:`lag_rows`:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
@@ -57,21 +57,31 @@ def lag_rows(group: str, positions: Mapping[TP, int], highs: Mapping[TP, int]) -
             if pos >= 0 and highs.get((t, p), -1) >= 0]
 
 
-def live_lag(consumer: Consumer, group: str, high_of: Callable[[TopicPartition], int] | None = None
-             ) -> list[PartitionLag]:
-    """Lag of a live consumer from its own positions and cached high watermarks (no broker round trip);
-    ``high_of`` (e.g. a side reader's query) fills partitions whose watermark is not cached yet."""
-    assigned = consumer.assignment()
-    if not assigned:
-        return []
-    positions = {(tp.topic, tp.partition): int(tp.offset) for tp in consumer.position(assigned)}
-    highs: dict[TP, int] = {}
-    for tp in assigned:
-        _, high = consumer.get_watermark_offsets(tp, cached=True)
-        if high < 0 and high_of is not None:
-            high = high_of(TopicPartition(tp.topic, tp.partition))
-        highs[(tp.topic, tp.partition)] = int(high)
-    return lag_rows(group, positions, highs)
+class LagProbe:
+    """A consumer's positions and cached high watermarks as its owner last read them, after each poll and in
+    its own thread. confluent-kafka serialises the calls on one consumer, so a call from another thread waits
+    for the owner's ``consume`` and can wait as long as the owner keeps polling an idle topic (measured: every
+    scrape of a trainer waiting for batches hung). Scrapes read the probe, never the consumer.
+
+    Invariant: :meth:`rows` is the lag of one :meth:`record` (its two maps are replaced together).
+    """
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self._read: tuple[dict[TP, int], dict[TP, int]] = ({}, {})
+
+    def record(self, consumer: Consumer, assigned: Sequence[TopicPartition]) -> None:
+        """Read ``consumer``'s positions and cached watermarks on ``assigned`` (the owner's thread only)."""
+        parts = [TopicPartition(tp.topic, tp.partition) for tp in assigned]
+        positions = {(tp.topic, tp.partition): int(tp.offset) for tp in consumer.position(parts)} if parts else {}
+        highs = {(tp.topic, tp.partition): int(consumer.get_watermark_offsets(tp, cached=True)[1]) for tp in parts}
+        self._read = (positions, highs)
+
+    def rows(self, high_of: Callable[[TopicPartition], int] | None = None) -> list[PartitionLag]:
+        """The lag of the last record; ``high_of`` (a side reader's query) fills watermarks not cached yet."""
+        positions, cached = self._read
+        highs = {tp: h if h >= 0 or high_of is None else int(high_of(TopicPartition(*tp))) for tp, h in cached.items()}
+        return lag_rows(self.group, positions, highs)
 
 
 class HighWatermarks:
@@ -134,5 +144,13 @@ def committed_lag(bootstrap: str, run_id: str, timeout: float = 10.0) -> list[Pa
     return [row for group in sorted(committed) for row in lag_rows(group, committed[group], high)]
 
 
-__all__ = ["ENDED_STATES", "HighWatermarks", "PartitionLag", "committed_lag", "for_run_state", "lag_rows", "live_lag",
-           "run_groups"]
+__all__ = [
+    "ENDED_STATES",
+    "HighWatermarks",
+    "LagProbe",
+    "PartitionLag",
+    "committed_lag",
+    "for_run_state",
+    "lag_rows",
+    "run_groups",
+]

@@ -6,7 +6,7 @@ Any process that produces or consumes through :mod:`dora_rl.infra.kafka.io` (eve
 serves (:mod:`dora_rl.infra.kafka.events` reports the clients to this module):
 
 - ``dora_consumer_lag_records{group,topic,partition}`` (gauge): ``max(0, high - position)`` of each
-  partition a watched consumer holds (:mod:`dora_rl.infra.kafka.lag`), computed when scraped; also
+  partition a watched consumer holds (:mod:`dora_rl.infra.kafka.lag`), as its owner last recorded it; also
   ``dora_consumer_position`` and ``dora_consumer_high_watermark`` with the same labels.
 - ``dora_records_sent_total{topic}`` (counter): records queued for each topic (throughput of outputs).
 - ``dora_dead_letters_total{component,error_type}`` (counter): refusals written to ``dora.dlq``.
@@ -33,8 +33,10 @@ state, 0 for the others), ``dora_instance_in_flight``, ``dora_instance_capacity`
 
 Invariants: one scrape is one consistent snapshot of each family group (the trainer's step count equals
 its histogram's count divided by TBS); a hook never raises into the role (a metrics failure is logged
-once, never stops training); a scrape only makes local calls on a role's consumer (positions, cached
-watermarks), and a consumer is unwatched under the scrape lock before it closes (:func:`release_consumer`).
+once, never stops training); a scrape never calls a role's consumer (it reads the
+:class:`~dora_rl.infra.kafka.lag.LagProbe` the owner records after each poll: a call from the scrape's thread
+waits for the owner's ``consume``), and a consumer is unwatched under the scrape lock before it closes
+(:func:`release_consumer`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.lag import HighWatermarks, PartitionLag, live_lag
+from dora_rl.infra.kafka.lag import HighWatermarks, LagProbe, PartitionLag
 from dora_rl.schemas.records import DeadLetter, InstanceStatus
 from dora_rl.schemas.records import Metric as MetricRecord
 
@@ -223,16 +225,17 @@ class InstanceState:
 
 
 class ConsumerWatch:
-    """The consumers whose lag is reported; a scrape and an unwatch exclude each other (see invariants)."""
+    """The consumers whose lag is reported, each through the :class:`LagProbe` its owner records after each
+    poll; a scrape and an unwatch exclude each other (see invariants)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.consumers: dict[int, tuple[Any, str, str]] = {}  # id -> (consumer, group, bootstrap)
+        self.consumers: dict[int, tuple[LagProbe, str]] = {}  # id(consumer) -> (its probe, bootstrap)
         self._highs: dict[str, HighWatermarks] = {}
 
-    def watch(self, consumer: Any, group: str, bootstrap: str) -> None:
+    def watch(self, consumer: Any, probe: LagProbe, bootstrap: str) -> None:
         with self.lock:
-            self.consumers[id(consumer)] = (consumer, group, bootstrap)
+            self.consumers[id(consumer)] = (probe, bootstrap)
 
     def unwatch(self, consumer: Any) -> None:
         with self.lock:
@@ -241,11 +244,8 @@ class ConsumerWatch:
     def rows(self) -> list[PartitionLag]:
         out: list[PartitionLag] = []
         with self.lock:
-            for key, (consumer, group, bootstrap) in list(self.consumers.items()):
-                try:
-                    out.extend(live_lag(consumer, group, self._high_of(bootstrap)))
-                except RuntimeError:  # closed without release_consumer: forget it
-                    self.consumers.pop(key, None)
+            for probe, bootstrap in list(self.consumers.values()):
+                out.extend(probe.rows(self._high_of(bootstrap)))
         return out
 
     def _high_of(self, bootstrap: str) -> HighWatermarks:
@@ -297,9 +297,9 @@ REGISTRY.register(STATE)
 
 
 @_never_raises
-def watch_consumer(consumer: Any, group: str, bootstrap: str) -> None:
-    """Report the lag of ``consumer`` (of consumer group ``group``) on this process's endpoint."""
-    STATE.consumers.watch(consumer, group, bootstrap)
+def watch_consumer(consumer: Any, probe: LagProbe, bootstrap: str) -> None:
+    """Report the lag of ``consumer`` on this process's endpoint, as ``probe`` (recorded by its owner) holds it."""
+    STATE.consumers.watch(consumer, probe, bootstrap)
 
 
 def release_consumer(consumer: Any) -> None:

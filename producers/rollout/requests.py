@@ -11,6 +11,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, consumer_config, is_record
+from dora_rl.infra.kafka.lag import LagProbe
 from dora_rl.infra.observability import prom
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RolloutRequest
@@ -34,12 +35,15 @@ class RequestReader:
         committed = self.consumer.committed([self.tp], timeout=30)[0].offset
         self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start
         self.consumer.assign([self.tp])
-        prom.watch_consumer(self.consumer, f"dora.{run_id}.rollout-{index}", bootstrap)
+        self.lag = LagProbe(f"dora.{run_id}.rollout-{index}")  # recorded after each poll (metrics endpoint)
+        prom.watch_consumer(self.consumer, self.lag, bootstrap)
         self.next_offset = self.tp.offset
 
     def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:
         out: list[tuple[int, RolloutRequest]] = []
-        for msg in self.consumer.consume(500, timeout):
+        msgs = self.consumer.consume(500, timeout)
+        self.lag.record(self.consumer, [self.tp])
+        for msg in msgs:
             if not is_record(msg):  # EOF or a retriable error; a security or fatal error raises
                 continue
             self.next_offset = (msg.offset() or 0) + 1

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -27,7 +29,7 @@ from run_helpers import emulated_run, wait_for
 
 pytestmark = pytest.mark.broker
 
-CONFIG = emulated_run(steps=8, seed=21, emulated={"base_step_s": 0.04})
+CONFIG = emulated_run(steps=10, seed=21, emulated={"base_step_s": 0.04})
 
 
 def scrape(address: str) -> dict[str, list[Any]]:
@@ -121,6 +123,35 @@ def assert_lag_is_kafka_tools(bootstrap: str, run_id: str) -> None:
                               if before.get(k) != theirs.get(k)}
 
 
+def live_lag_is_kafka_tools(bootstrap: str, run_id: str, rdir: Path, trainer: str) -> None:
+    """Prometheus's live lag and Kafka's tool at one quiet moment: with the assembler (the only writer of
+    ``dora.train.batches``) stopped, the trainer reads every batch and commits it; then the position and high
+    watermark its endpoint reports on that partition are the tool's CURRENT-OFFSET and LOG-END-OFFSET, and
+    both lags are equal. A stop that lands inside the assembler's transaction (its records not yet stable,
+    so the two ends differ by design) is let go and taken again."""
+    from dora_rl.infra.kafka import topics
+
+    group, key = f"dora.{run_id}.trainer", {"topic": topics.BATCHES, "partition": "0"}
+    assembler = int(json.loads((rdir / "pids.json").read_text())["assembler"])
+    seen: list[Any] = []
+    for _ in range(3):
+        os.kill(assembler, signal.SIGSTOP)
+        try:
+            for _ in range(8):
+                fams = scrape(trainer)
+                live = tuple(value(fams, f, group=group, **key) for f in
+                             ("dora_consumer_position", "dora_consumer_high_watermark", "dora_consumer_lag_records"))
+                tool = kafka_tool_lag(bootstrap, [group]).get((group, topics.BATCHES, 0))
+                seen.append((live, tool))
+                if tool is not None and live == tuple(float(x) for x in tool):
+                    return
+                time.sleep(1.0)
+        finally:
+            os.kill(assembler, signal.SIGCONT)
+        time.sleep(2.0)
+    raise AssertionError(f"the trainer's (position, high, lag) never equalled the tool's: {seen[-4:]}")
+
+
 def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from dora_rl.config import DoraConfig
     from dora_rl.consumers.audit import audit_records, audit_run
@@ -173,6 +204,9 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
         assert (value(seen, "dora_consumer_high_watermark", topic=topics.BATCHES) or 0) > 0
         assert value(seen, "dora_trainer_reward_mean") is not None
         assert (value(seen, "dora_trainer_trained_tokens", "dora_trainer_trained_tokens_total") or 0) > 0
+
+        assert launcher.poll() is None, "the run ended before the freeze"
+        live_lag_is_kafka_tools(bootstrap, run_id, rdir, trainer)
 
         # a rollout instance: lag on its request partition, its version, state and work
         inst = scrape(rollout)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from dora_rl.infra.kafka import events, topics
+from dora_rl.infra.kafka.lag import LagProbe
 from dora_rl.infra.observability import prom
 from dora_rl.schemas.records import DeadLetter
 
@@ -35,7 +36,7 @@ def test_with_no_observer_nothing_is_counted_and_a_consumer_is_just_closed() -> 
     before = counted("dora_records_sent_total", topic="t-none")
     events.sent("t-none", object())
     c = Closable()
-    events.consumer_opened(c, "g", "b")
+    events.consumer_opened(c, LagProbe("g"), "b")
     events.consumer_closing(c)
     assert c.closed and counted("dora_records_sent_total", topic="t-none") == before
 
@@ -50,7 +51,7 @@ def test_prom_observes_once_registered_and_closes_what_it_watched() -> None:
     assert counted("dora_records_sent_total", topic=topics.DLQ) == sent + 2
     assert counted("dora_dead_letters_total", component="c", error_type="e") == letters + 2
     c = Closable()
-    events.consumer_opened(c, "g", "b")
+    events.consumer_opened(c, LagProbe("g"), "b")
     assert id(c) in prom.STATE.consumers.consumers
     events.consumer_closing(c)
     assert c.closed and id(c) not in prom.STATE.consumers.consumers

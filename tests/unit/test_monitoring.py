@@ -22,7 +22,7 @@ from dora_rl.consumers.monitor_render import frame, render
 from dora_rl.consumers.monitor_view import RunView, lag_by_role, tokens_per_wall_s
 from dora_rl.consumers.timeline import Timeline
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.lag import PartitionLag, lag_rows, live_lag, run_groups
+from dora_rl.infra.kafka.lag import LagProbe, PartitionLag, lag_rows, run_groups
 from dora_rl.infra.observability import prom, prom_serve
 from dora_rl.schemas.records import DeadLetter, InstanceStatus, Metric, PolicyVersion
 
@@ -86,6 +86,8 @@ class FakeConsumer:
         return [SimpleNamespace(topic="t", partition=p, offset=-1001) for p in sorted(self.positions)]
 
     def position(self, tps: list[Any]) -> list[Any]:
+        if self.closed:
+            raise RuntimeError("Consumer closed")
         return [SimpleNamespace(topic=tp.topic, partition=tp.partition, offset=self.positions[tp.partition])
                 for tp in tps]
 
@@ -94,27 +96,29 @@ class FakeConsumer:
         return 0, self.cached.get(tp.partition, -1001)
 
 
-def test_live_lag_uses_cached_watermarks_and_asks_the_side_reader_for_the_rest() -> None:
+def test_the_probe_uses_cached_watermarks_and_asks_the_side_reader_for_the_rest() -> None:
     asked: list[int] = []
 
     def side(tp: Any) -> int:
         asked.append(tp.partition)
         return 20
 
-    rows = live_lag(FakeConsumer({0: 4, 1: 6}, {0: 9}), "g", side)  # type: ignore[arg-type]
+    consumer, probe = FakeConsumer({0: 4, 1: 6}, {0: 9}), LagProbe("g")
+    probe.record(consumer, consumer.assignment())  # type: ignore[arg-type]
+    rows = probe.rows(side)
     assert [(r.partition, r.high, r.lag) for r in rows] == [(0, 9, 5), (1, 20, 14)]
     assert asked == [1]
 
 
-def test_a_closed_consumer_is_forgotten_by_the_watch() -> None:
+def test_an_unwatched_consumer_is_no_longer_reported() -> None:
     watch = prom.ConsumerWatch()
-    open_, closed = FakeConsumer({0: 1}, {0: 3}), FakeConsumer({0: 1}, {0: 3}, closed=True)
-    watch.watch(open_, "g1", "b")
-    watch.watch(closed, "g2", "b")
-    assert [r.group for r in watch.rows()] == ["g1"]
-    assert len(watch.consumers) == 1
-    watch.unwatch(open_)
-    assert watch.rows() == []
+    a, b = FakeConsumer({0: 1}, {0: 3}), FakeConsumer({0: 1}, {0: 3})
+    for c, group in ((a, "g1"), (b, "g2")):
+        probe = LagProbe(group)
+        probe.record(c, c.assignment())  # type: ignore[arg-type]
+        watch.watch(c, probe, "b")
+    watch.unwatch(b)
+    assert [r.group for r in watch.rows()] == ["g1"] and len(watch.consumers) == 1
 
 
 # -- Prometheus families ---------------------------------------------------------------------------
@@ -329,3 +333,23 @@ def test_grafana_dashboard_and_alert_rules_name_only_exported_families() -> None
     assert named and named <= exported, sorted(named - exported)
     assert {r["alert"] for g in rules["groups"] for r in g["rules"]} >= {"DoraRunStalled", "DoraDeadLetterRate",
                                                                            "DoraConsumerLag"}
+
+
+def test_a_scrape_never_calls_the_consumer() -> None:
+    """From a scrape's thread a call on the role's consumer waits for the owner's ``consume`` (confluent-kafka
+    serialises them): every scrape of a trainer waiting for batches hung (measured with the assembler stopped).
+    The scrape reads what the owner recorded after its last poll instead."""
+    class Busy(FakeConsumer):
+        calls = 0
+
+        def position(self, tps: list[Any]) -> list[Any]:
+            Busy.calls += 1
+            return super().position(tps)
+
+    watch, consumer, probe = prom.ConsumerWatch(), Busy({0: 2, 1: 5}, {0: 4, 1: 5}), LagProbe("g")
+    watch.watch(consumer, probe, "b")
+    assert watch.rows() == []  # nothing recorded yet
+    probe.record(consumer, consumer.assignment())  # type: ignore[arg-type]  # the owner, after a poll
+    calls = Busy.calls
+    assert [(r.partition, r.lag) for r in watch.rows()] == [(0, 2), (1, 0)]
+    assert Busy.calls == calls  # the scrape itself called nothing on the consumer
