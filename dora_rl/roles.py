@@ -73,13 +73,20 @@ class StopFlag:
 def weight_token() -> str:
     """The run's weight-channel token: ``DORA_WEIGHT_TOKEN_FILE`` (a file written by ``dora-rl create`` /
     ``run``, copied to each host) or ``DORA_WEIGHT_TOKEN``; empty when neither is set."""
-    path = os.environ.get("DORA_WEIGHT_TOKEN_FILE")
-    if path:
-        try:
-            return Path(path).read_text().strip()
-        except OSError as exc:
-            raise FileNotFoundError(f"DORA_WEIGHT_TOKEN_FILE={path}: cannot read the weight token ({exc})") from exc
-    return os.environ.get("DORA_WEIGHT_TOKEN", "")
+    from_file = _secret_from_file("DORA_WEIGHT_TOKEN_FILE", "the weight token")
+    return from_file if from_file is not None else os.environ.get("DORA_WEIGHT_TOKEN", "")
+
+
+def _secret_from_file(variable: str, what: str) -> str | None:
+    """The secret in the file that environment ``variable`` names (None when unset); an unreadable file is an
+    error naming the variable and ``what`` it should hold."""
+    path = os.environ.get(variable)
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise FileNotFoundError(f"{variable}={path}: cannot read {what} ({exc})") from exc
 
 
 WEIGHT_TOKEN_FILE = "weight-token"
@@ -94,13 +101,7 @@ can end the run (decision 0057)."""
 def trainer_key() -> str:
     """The key the trainer signs its ``done`` with: ``DORA_TRAINER_KEY_FILE``; empty when unset (then the
     trainer signs with the weight token, as a run started by hand does)."""
-    path = os.environ.get("DORA_TRAINER_KEY_FILE")
-    if not path:
-        return ""
-    try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
-        raise FileNotFoundError(f"DORA_TRAINER_KEY_FILE={path}: cannot read the trainer's key ({exc})") from exc
+    return _secret_from_file("DORA_TRAINER_KEY_FILE", "the trainer's key") or ""
 
 
 def run_token(run_id: str) -> str:
