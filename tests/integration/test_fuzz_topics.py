@@ -8,7 +8,9 @@ topic) a 900 KB record of garbage. Records with bad meaning: a scored trajectory
 reward; scored copies of three real trajectories just generated, with a NaN, an infinite and an out-of-range
 reward (a hostile external scorer: whichever copy of a real trajectory the assembler meets first, no batch may
 hold a bad reward and every announced version must hold finite weights); an announcement with no holder; a
-forged announcement of a new version held elsewhere, signed with another key (decision 0054); an unsigned
+forged announcement of a new version held elsewhere, signed with another key (decision 0054); announcements
+signed with the run's token but of the wrong kind for their topic (a holder's on the trainer's topic, the
+trainer's on ``dora.policy.holders``, decision 0057); an unsigned
 ``done`` of the trainer at the run's last step (it would end the run early and record it FINISHED; the launcher
 passes it by, decision 0057); and refusals naming a queued and an unknown group. ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
@@ -56,7 +58,8 @@ def _garbage(template: tuple[bytes, list[tuple[str, bytes]]], rng: random.Random
 
 
 FUZZED = ("dora.prompts", "dora.rollout.requests", "dora.rollout.tokens", "dora.rollout.trajectories",
-          "dora.rollout.scored", "dora.instances", "dora.policy.versions", "dora.train.batches", "dora.dlq",
+          "dora.rollout.scored", "dora.instances", "dora.policy.versions", "dora.policy.holders",
+          "dora.train.batches", "dora.dlq",
           "dora.metrics", "dora.schedule", "dora.runs", "dora.state")
 
 
@@ -123,7 +126,8 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         letter = DeadLetter(component="fuzz", reason="x", error_type="x", source_topic="t", source_partition=0,
                             source_offset=0, ts_ms=0, run_id=run_id)
         for topic in FUZZED:
-            template = letter.encode() if topic == topics.DLQ else _last_record(bootstrap, topic)
+            template = (letter.encode() if topic == topics.DLQ else genuine.encode() if topic == topics.HOLDERS
+                        else _last_record(bootstrap, topic))  # an emulated run serves no weights: no holder yet
             for p in _live_partitions(topic, len(meta[topic].partitions)):
                 for kind, value, headers in _garbage(template, rng):
                     producer.produce(topic, value, b"fuzz", partition=p, headers=headers, on_delivery=sent(kind))
@@ -133,12 +137,18 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                                   total_bytes=0, checksum_algo="sha256", tensors=(), buckets=())
         forged = sign(genuine.replace(run_id=run_id, version=genuine.version + 50, holders=("127.0.0.1:1",),
                                       announced_by=PolicyVersion.TRAINER), "not the run's token")
+        token = (rdir / "weight-token").read_text().strip()  # valid, signed, but the wrong kind for the topic
+        holder_on_versions = sign(genuine.replace(run_id=run_id, announced_by=PolicyVersion.HOLDER, signature=None),
+                                  token)
+        trainer_on_holders = sign(genuine.replace(run_id=run_id, signature=None), token)
         queued, unknown = (DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
                                       source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
                            for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group"))
         for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
                                  (no_holder, topics.VERSIONS, "no_holder"),
                                  (forged, topics.VERSIONS, "forged_announcement"),
+                                 (holder_on_versions, topics.VERSIONS, "holder_on_versions"),
+                                 (trainer_on_holders, topics.HOLDERS, "trainer_on_holders"),
                                  (Metric(run_id=run_id, component="trainer", name="done", value=CONFIG["steps"],
                                          ts_ms=0), topics.METRICS, "forged_done"),
                                  (queued, topics.DLQ, "refusal_of_queued_group"),
@@ -235,5 +245,6 @@ def _readers(topic: str, partition: int, kind: str) -> set[str]:
             "dora.rollout.tokens": {"orchestrator"}, "dora.rollout.trajectories": {"orchestrator", "scorer"},
             "dora.rollout.scored": {"assembler", "orchestrator"}, "dora.instances": {"launcher", "orchestrator"},
             "dora.policy.versions": {"orchestrator", "rollout-0", "rollout-1"},
+            "dora.policy.holders": {"rollout-0", "rollout-1"},
             "dora.train.batches": {"orchestrator", "trainer"}, "dora.dlq": {"orchestrator"},
             "dora.metrics": {"launcher"}, "dora.schedule": {"assembler"}}.get(topic, set())
