@@ -31,7 +31,10 @@ Checks (each a count of violations; the run passes when all are zero):
   announcement of the wrong kind for its topic is refused by every reader, and counted in ``v_refused``.
 - **Writers** ``w_not_as_generated``: batched trajectories whose tokens (version, prompt and response ids)
   match no copy that an instance wrote on ``dora.rollout.trajectories``: a scored record written by someone
-  other than the instance that generated it was trained (re-fed trajectories of another run aside).
+  other than the instance that generated it was trained (re-fed trajectories of another run aside);
+  ``w_unsigned_score``: batched trajectories whose score is not signed with the run's scorer key (given the
+  key; re-fed ones aside): a reward someone other than the scorer wrote was trained (decision 0059).
+  Given the run's token, only refusals signed with it count as refusals, as only those withdraw a group.
 - **C3** ``c3_over_stale``: batched trajectories with ``base_version - version > max_staleness``.
 - **TBS** ``tbs_wrong_size``: batches whose size is not exactly ``train_batch_size``.
 
@@ -70,6 +73,7 @@ from dora_rl.consumers.audit_checks import (
     not_as_generated,
     provenance,
     refused_groups,
+    unsigned_scores,
     waste,
 )
 from dora_rl.consumers.replay.source import RecordSource, decoded
@@ -119,6 +123,7 @@ class AuditReport:
     v_checksum_conflicts: int = 0
     v_not_increasing: int = 0
     w_not_as_generated: int = 0
+    w_unsigned_score: int = 0
     steps_requested: int = 0
     refused: int = 0
     refused_groups: list[dict[str, Any]] = field(default_factory=list)
@@ -141,7 +146,7 @@ class AuditReport:
     VIOLATIONS = ("c1_mixed_versions", "c1_instance_mismatch", "c1_request_mismatch", "c1_chunk_mismatch",
                   "c1_heartbeat_mismatch", "c2_duplicated", "c2_not_dispatched", "c2_split_groups", "c2_missing",
                   "c2_duplicate_steps", "c2_untrained_steps", "ids_unbalanced", "v_checksum_conflicts",
-                  "v_not_increasing", "w_not_as_generated", "c3_over_stale", "tbs_wrong_size")
+                  "v_not_increasing", "w_not_as_generated", "w_unsigned_score", "c3_over_stale", "tbs_wrong_size")
 
     @property
     def complete(self) -> bool:
@@ -247,9 +252,10 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                   dead_letters: Iterable[DeadLetter] = (),
                   announcements: Iterable[PolicyVersion] | None = None,
                   chunks: Iterable[TokenChunk] = (), statuses: Iterable[InstanceStatus] = (),
-                  token: str = "", holders: Iterable[PolicyVersion] = ()) -> AuditReport:
+                  token: str = "", holders: Iterable[PolicyVersion] = (), scorer_key: str = "") -> AuditReport:
     """The audit as a pure function of a run's records (``announcements`` None: no version checks;
-    ``holders``: the holder announcements of ``dora.policy.holders``).
+    ``holders``: the holder announcements of ``dora.policy.holders``; ``token`` / ``scorer_key``: the run's,
+    to check who signed announcements and refusals / scores, each check skipped without its key).
 
     ``trajectories`` are the generated ones (``dora.rollout.trajectories``, regenerated copies
     included), ``chunks`` the token chunks and ``statuses`` the instance heartbeats.
@@ -260,7 +266,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
     trajectories = list(trajectories)
     batches = list(batches)
     rep.provenance, reused = provenance(batches)
-    groups_refused = refused_groups(run_id, dead_letters)
+    groups_refused = refused_groups(run_id, dead_letters, token)
     rep.refused_groups = list(groups_refused.values())
     bound = config.staleness_bound
     requested: dict[str, int] = {}
@@ -354,10 +360,13 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
             rep.examples.append(f"ids: {len(balance.never_generated)} trained trajectories never generated, "
                                 f"e.g. {balance.never_generated[:3]}")
     rep.waste_trajectories, rep.waste_tokens = waste(first, extra, balance.refused)
-    altered = not_as_generated(trajectories, [t for b in batches for t in b.trajectories
-                                              if t.trajectory_id not in reused])
+    own = [t for b in batches for t in b.trajectories if t.trajectory_id not in reused]
+    altered = not_as_generated(trajectories, own)
     rep.w_not_as_generated = len(altered)
     rep.examples.extend(f"writers: {tid} was trained with tokens no instance generated" for tid in altered[:5])
+    planted = unsigned_scores(own, scorer_key)
+    rep.w_unsigned_score = len(planted)
+    rep.examples.extend(f"writers: {tid} was trained with a score the scorer did not sign" for tid in planted[:5])
     if announcements is not None:
         announced = audit_versions(rep, announcements, token, holders)
         if rep.complete:
@@ -400,9 +409,10 @@ def _records(bootstrap: str, run_id: str, topic: str, cls: type[Record], start: 
     return out
 
 
-def audit_run(bootstrap: str, run_id: str | None = None, token: str = "") -> AuditReport:
+def audit_run(bootstrap: str, run_id: str | None = None, token: str = "", scorer_key: str = "") -> AuditReport:
     """Read the run's topics and audit them (``token``: the run's weight-channel token, to refuse forged
-    announcements as the run's readers do; without it, every well-formed announcement counts)."""
+    announcements and refusals as the run's readers do; without it, every well-formed one counts;
+    ``scorer_key``: the run's scorer key, to check that every trained score is the scorer's)."""
     info = get_run(bootstrap, run_id)
     config = DoraConfig.from_json(info.config_json)
 
@@ -417,7 +427,8 @@ def audit_run(bootstrap: str, run_id: str | None = None, token: str = "") -> Aud
     holders = _records(bootstrap, info.run_id, topics.HOLDERS, PolicyVersion, start(topics.HOLDERS))
     chunks = _records(bootstrap, info.run_id, topics.TOKENS, TokenChunk, start(topics.TOKENS))
     statuses = _records(bootstrap, info.run_id, topics.INSTANCES, InstanceStatus, start(topics.INSTANCES))
-    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token, holders)
+    return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token, holders,
+                         scorer_key)
 
 
 def audit_source(source: RecordSource, token: str = "") -> AuditReport:

@@ -14,18 +14,20 @@ from typing import Any
 
 import numpy as np
 
+from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.schemas.records import DeadLetter, InstanceStatus, TokenChunk, Trajectory
 
 
-def refused_groups(run_id: str, dead_letters: Iterable[DeadLetter]) -> dict[str, dict[str, Any]]:
-    """The run's refused GRPO groups (letters with ``group_id`` set), in order of their first letter.
+def refused_groups(run_id: str, dead_letters: Iterable[DeadLetter], token: str = "") -> dict[str, dict[str, Any]]:
+    """The run's refused GRPO groups (letters with ``group_id`` set and, given the run's ``token``, signed
+    with it: the orchestrator withdraws on no other), in order of their first letter.
 
     One entry per group: ``group_id, trajectory_id, component, error_type, reason, attempts`` of the
     first letter, except ``reason``, which joins every distinct reason given for the group with ``"; "``.
     """
     out: dict[str, dict[str, Any]] = {}
     for d in dead_letters:
-        if d.group_id is None or d.run_id != run_id:
+        if d.group_id is None or d.run_id != run_id or signature_problem(d, token, "refusal") is not None:
             continue
         entry = out.get(d.group_id)
         if entry is None:
@@ -152,6 +154,11 @@ def not_as_generated(generated: Iterable[Trajectory], trained: Iterable[Trajecto
         copies[t.trajectory_id].add(content_of(t))
     return [t.trajectory_id for t in trained
             if t.trajectory_id in copies and content_of(t) not in copies[t.trajectory_id]]
+
+
+def unsigned_scores(trained: Iterable[Trajectory], scorer_key: str) -> list[str]:
+    """Ids of ``trained`` trajectories whose score is not signed with ``scorer_key`` (none without a key)."""
+    return [t.trajectory_id for t in trained if signature_problem(t, scorer_key, "score") is not None]
 
 
 def content_of(t: Trajectory) -> tuple[int, bytes, bytes]:

@@ -210,7 +210,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from dora_rl.consumers.audit import audit_run, audit_source
-    from dora_rl.roles import run_token
+    from dora_rl.roles import run_scorer_key, run_token
 
     if args.from_archive:  # no broker: the archive holds the run's records (and its token is not in it)
         from dora_rl.consumers.replay.archive import ArchiveSource
@@ -222,7 +222,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
         bootstrap = _bootstrap(args)
         run_id = get_run(bootstrap, args.run).run_id
-        report = audit_run(bootstrap, run_id, run_token(run_id))
+        report = audit_run(bootstrap, run_id, run_token(run_id), run_scorer_key(run_id))
     print(report.render())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2))

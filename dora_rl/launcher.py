@@ -43,7 +43,7 @@ from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
-from .roles import TRAINER_KEY_FILE, WEIGHT_TOKEN_FILE, prompts_needed, run_dir
+from .roles import SCORER_KEY_FILE, TRAINER_KEY_FILE, WEIGHT_TOKEN_FILE, prompts_needed, run_dir
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -190,12 +190,14 @@ def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None
 def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tuple[RunInfo, Path]:
     """Record a run without starting any role (``dora-rl create``): the topics, the run on ``dora.runs``
     (config and start offsets: what every role on any host joins from), and the weight-channel token
-    in ``<run dir>/weight-token`` (mode 0600; never on a topic). Returns the run and the token file."""
+    in ``<run dir>/weight-token`` and the trainer's and scorer's keys beside it (mode 0600; never on a topic).
+    Returns the run and the token file."""
     prepare_topics(bootstrap, config.num_partitions, config.instance_limit)
     config = with_vocab_size(config)
     info = start_run(bootstrap, config, run_id)
     rdir = run_dir(info.run_id)
     (rdir / "config.json").write_text(config.to_json())
+    trainer_key_file(rdir), scorer_key_file(rdir)
     return info, weight_token_file(rdir)
 
 
@@ -226,9 +228,20 @@ def trainer_key_file(rdir: Path) -> Path:
     return _secret_file(rdir / TRAINER_KEY_FILE, None)
 
 
+def scorer_key_file(rdir: Path) -> Path:
+    """``<rdir>/scorer-key``, created once (random), mode 0600: handed to the scorer, which signs its scores
+    with it, and to the assembler, which trains only scores signed with it."""
+    return _secret_file(rdir / SCORER_KEY_FILE, None)
+
+
 def role_env(role: str, env: dict[str, str], rdir: Path) -> dict[str, str]:
-    """``env`` for ``role``: the trainer alone also gets its key's file (``DORA_TRAINER_KEY_FILE``)."""
-    return {**env, "DORA_TRAINER_KEY_FILE": str(trainer_key_file(rdir))} if role == "trainer" else env
+    """``env`` for ``role``: the trainer alone also gets its key's file (``DORA_TRAINER_KEY_FILE``), the scorer
+    and the assembler alone the scorer's (``DORA_SCORER_KEY_FILE``)."""
+    if role == "trainer":
+        return {**env, "DORA_TRAINER_KEY_FILE": str(trainer_key_file(rdir))}
+    if role in ("scorer", "assembler"):
+        return {**env, "DORA_SCORER_KEY_FILE": str(scorer_key_file(rdir))}
+    return env
 
 
 def _secret_file(path: Path, value: str | None) -> Path:

@@ -104,6 +104,25 @@ def trainer_key() -> str:
     return _secret_from_file("DORA_TRAINER_KEY_FILE", "the trainer's key") or ""
 
 
+SCORER_KEY_FILE = "scorer-key"
+"""The scorer's key in a run directory (``launcher.scorer_key_file``): ``dora-rl run`` hands it to the scorer,
+which signs every score with it, and to the assembler, which trains only scores signed with it; no other role
+holds it, so no other writer of ``dora.rollout.scored`` can plant a reward (decision 0059)."""
+
+
+def scorer_key() -> str:
+    """The key scores are signed and checked with: ``DORA_SCORER_KEY_FILE``; empty when unset (then the scorer
+    and the assembler use the weight token, as a run started by hand without the variable does)."""
+    return _secret_from_file("DORA_SCORER_KEY_FILE", "the scorer's key") or ""
+
+
+def run_scorer_key(run_id: str) -> str:
+    """:func:`scorer_key`, else the key ``dora-rl create`` left in this host's run directory, else empty (then
+    the audit cannot check who scored)."""
+    path = dora_home() / "runs" / run_id / SCORER_KEY_FILE
+    return scorer_key() or (path.read_text().strip() if path.exists() else "")
+
+
 def run_token(run_id: str) -> str:
     """:func:`weight_token`, else the token ``dora-rl create`` left in this host's run directory, else empty (an
     operator's command, such as the audit, on the host that created the run needs no variable)."""
@@ -148,11 +167,12 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
         from dora_rl.streams.reward_scorer import run_scorer
 
         run_scorer(bootstrap, info.run_id, start, config.num_partitions, stop.is_set, reward_fn=config.reward_fn,
-                   reward_timeout_s=config.reward_timeout_s, max_attempts=config.max_attempts, token=token)
+                   reward_timeout_s=config.reward_timeout_s, max_attempts=config.max_attempts, token=token,
+                   scorer_key=scorer_key())
     elif role == "assembler":
         from dora_rl.streams.assembler import run_assembler
 
-        run_assembler(bootstrap, info.run_id, config, start, stop=stop.is_set, token=token)
+        run_assembler(bootstrap, info.run_id, config, start, stop=stop.is_set, token=token, scorer_key=scorer_key())
     elif role == "orchestrator":
         from dora_rl.streams.orchestrator import run_orchestrator
 
@@ -164,7 +184,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
 
         tok = load_tokenizer(resolve_model(config.model, config.seed))  # the prompts' token ids: no weights
         prompts_start = topic_start(start, topics.PROMPTS)
-        n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), tok, prompts_start)
+        n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), tok, prompts_start, token)
         log.info("wrote %d prompts", n)
     else:
         raise ValueError(f"unknown role {role!r}; roles: {ROLES}")

@@ -33,6 +33,8 @@ the run is recorded FINISHED or FAILED, or on SIGTERM/SIGINT after its current c
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import importlib.util
 import io
 import json
@@ -85,7 +87,13 @@ class Wire:
     def full_name(self, name: str) -> str:
         return str(self.current[name]["name"])
 
-    def encode(self, name: str, datum: dict[str, Any]) -> tuple[bytes, list[tuple[str, bytes]]]:
+    def encode(self, name: str, datum: dict[str, Any], key: str = "") -> tuple[bytes, list[tuple[str, bytes]]]:
+        """Schemaless Avro and the schema headers; with ``key``, ``signature`` is set to the HMAC-SHA256 (hex)
+        of the encoding with ``signature`` null (what DORA checks: the scorer key for scores, the weight token
+        for refusals)."""
+        if key:
+            body = self.encode(name, {**datum, "signature": None})[0]
+            datum = {**datum, "signature": hmac.new(key.encode(), body, hashlib.sha256).hexdigest()}
         buf = io.BytesIO()
         fastavro.schemaless_writer(buf, self.current[name], datum)
         fp = self._fp(self.current[name])
@@ -112,6 +120,11 @@ class Wire:
         if buf.tell() != len(value) or not isinstance(datum, dict):
             raise ValueError(f"malformed {name}: trailing bytes")
         return datum
+
+
+def _secret(path: str) -> str:
+    """The secret in file ``path`` (empty path: none)."""
+    return Path(path).read_text().strip() if path else ""
 
 
 def murmur2(data: bytes) -> int:
@@ -310,6 +323,7 @@ class RewardService:
 
     def __init__(self, args: argparse.Namespace, security: dict[str, Any]) -> None:
         self.args, self.wire = args, Wire(Path(args.schemas))
+        self.scorer_key, self.token = _secret(args.scorer_key_file), _secret(args.token_file)
         base = {"bootstrap.servers": args.bootstrap_servers, **security}
         self.info, runs_end = find_run(self.wire, base, args.run_id, args.wait_run_s)
         self.num_partitions = int(json.loads(self.info["config_json"]).get("num_partitions", 4))
@@ -355,7 +369,7 @@ class RewardService:
                   "group_id": traj["group_id"] if traj else None,
                   "trajectory_id": traj["trajectory_id"] if traj else None}
         key = msg.key() or f"{msg.topic()}/{msg.partition()}/{msg.offset()}".encode()
-        return (DLQ, key, *self.wire.encode("DeadLetter", letter), None)
+        return (DLQ, key, *self.wire.encode("DeadLetter", letter, self.token), None)
 
     def _score_batch(self, msgs: list[Any]) -> tuple[list[Any], dict[tuple[str, int], int]]:
         """Outputs for a prefix of ``msgs`` scored within the budget; the first offset left per partition."""
@@ -382,7 +396,7 @@ class RewardService:
             if isinstance(outcome, float):
                 traj.update(reward=outcome, scored_ms=int(time.time() * 1000))
                 key = f"v{int(traj['policy_version']):010d}/{traj['group_id']}".encode()
-                outs.append((SCORED, key, *self.wire.encode("Trajectory", traj),
+                outs.append((SCORED, key, *self.wire.encode("Trajectory", traj, self.scorer_key),
                              partition_for(traj["group_id"], self.num_partitions)))
                 self.scored += 1
             else:
@@ -462,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-budget-s", type=float, default=30.0, help="scoring time per transaction")
     p.add_argument("--instance", default="0", help="replica name: transactional.id and group.instance.id")
     p.add_argument("--wait-run-s", type=float, default=60.0, help="wait this long for the run to be recorded")
+    p.add_argument("--scorer-key-file", default=os.environ.get("DORA_SCORER_KEY_FILE", ""),
+                   help="the run's <run dir>/scorer-key: scores are signed with it (DORA trains no other)")
+    p.add_argument("--token-file", default=os.environ.get("DORA_WEIGHT_TOKEN_FILE", ""),
+                   help="the run's <run dir>/weight-token: refusals are signed with it (DORA withdraws on no other)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     service = RewardService(args, security_config())

@@ -23,6 +23,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import RecordProducer, RecordTooLarge, now_ms, read_all
 from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.signing import signed
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import DeadLetter, Prompt
 
@@ -54,8 +55,9 @@ def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
 
 
 def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int, tokenizer: object,
-                    start: dict[int, int] | None = None) -> int:
-    """Write the prompts not written yet, in one transaction; returns how many were written."""
+                    start: dict[int, int] | None = None, token: str = "") -> int:
+    """Write the prompts not written yet, in one transaction; returns how many were written (an oversize
+    prompt's refusal signed with the run's ``token``, so the audit counts its group refused)."""
     producer = RecordProducer(bootstrap, f"dataset-{run_id}", **{"transactional.id": f"dora.{run_id}.dataset"})
     producer.init_transactions(60)
     have = prompts_written(bootstrap, run_id, start or {})
@@ -69,9 +71,10 @@ def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int,
         try:
             producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id), partition=0)  # dataset order
         except RecordTooLarge as exc:  # refused with the reason, in the same transaction; never dispatched
-            letter = DeadLetter(component="dataset", reason=f"oversize prompt: {exc}", error_type="oversize",
+            letter = signed(DeadLetter(component="dataset", reason=f"oversize prompt: {exc}", error_type="oversize",
                                 source_topic=topics.PROMPTS, source_partition=0, source_offset=-1, ts_ms=now_ms(),
-                                run_id=run_id, key=make_key(None, prompt.group_id).encode(), group_id=prompt.group_id)
+                                run_id=run_id, key=make_key(None, prompt.group_id).encode(),
+                                group_id=prompt.group_id), token)
             producer.send(topics.DLQ, letter, make_key(None, prompt.group_id))
             continue
         n += 1

@@ -17,6 +17,8 @@ the one they rely on. The price: a record that keeps its bytes holds its payload
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass, field
 from functools import cache
@@ -267,6 +269,7 @@ class Trajectory(Record):
     reward: float | None = None
     scored_ms: int | None = None
     provenance: Provenance | None = nested_one(Provenance)
+    signature: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -279,17 +282,28 @@ class Trajectory(Record):
             return {int(self.policy_version)}
         return {int(v) for v in np.unique(self.token_versions)}
 
-    def scored(self, reward: float, scored_ms: int) -> Trajectory:
-        """This trajectory with its reward (the scorer's output). From kept bytes whose last three fields
-        are still null, the copy's bytes are those with ``reward`` and ``scored_ms`` written in: no new
-        encoding (see the module docstring)."""
-        out = self.replace(reward=reward, scored_ms=scored_ms)
+    def scored(self, reward: float, scored_ms: int, key: str = "") -> Trajectory:
+        """This trajectory with its reward (the scorer's output), signed with ``key`` when one is given:
+        ``signature = HMAC-SHA256(key, encoding with signature null)`` (as ``infra/kafka/signing.mac``).
+        From kept bytes whose last four fields are still null, the copy's bytes are those with ``reward``,
+        ``scored_ms`` and the signature written in: no new encoding (see the module docstring)."""
+        out = self.replace(reward=reward, scored_ms=scored_ms, signature=None)
         wire = self._wire()
-        if (wire is not None and self.reward is None and self.scored_ms is None and self.provenance is None
-                and wire.endswith(b"\0\0\0") and _last_fields(self.SCHEMA, 3) == ("reward", "scored_ms", "provenance")):
-            out._keep(b"".join((wire[:-3], b"\2", struct.pack("<d", float(reward)), b"\2", _long(int(scored_ms)),
-                                b"\0")))
-        return out
+        if not (wire is not None and self.reward is None and self.scored_ms is None and self.provenance is None
+                and self.signature is None and wire.endswith(b"\0\0\0\0")
+                and _last_fields(self.SCHEMA, 4) == ("reward", "scored_ms", "provenance", "signature")):
+            return out.replace(signature=_hmac_hex(key, out.encode()[0])) if key else out
+        body = b"".join((wire[:-4], b"\2", struct.pack("<d", float(reward)), b"\2", _long(int(scored_ms)), b"\0\0"))
+        if not key:
+            return out._keep(body)
+        signature = _hmac_hex(key, body)
+        return out.replace(signature=signature)._keep(
+            b"".join((body[:-1], b"\2", _long(len(signature)), signature.encode())))
+
+
+def _hmac_hex(key: str, body: bytes) -> str:
+    """HMAC-SHA256 (hex) of ``body`` keyed by ``key``: the signature rule of ``infra/kafka/signing.py``."""
+    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -413,6 +427,7 @@ class DeadLetter(Record):
     group_id: str | None = None
     trajectory_id: str | None = None
     attempts: int = 0
+    signature: str | None = None
 
 
 @dataclass(frozen=True)

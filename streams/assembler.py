@@ -13,7 +13,9 @@ reference into ``dora.rollout.scored`` (fetched again at restore: a window of a 
 
 A scored trajectory that may not reach an update (:mod:`dora_rl.core.training_input`: a non-finite or
 out-of-range reward, non-finite log-probs, ...) is refused on receipt with a dead letter naming its group,
-which the orchestrator withdraws and replaces; it never enters a batch.
+which the orchestrator withdraws and replaces; it never enters a batch. A score not signed with the run's
+scorer key (decision 0059) is refused too, with a dead letter that names no group: whoever planted it cannot
+withdraw the group, nor have its reward trained; the scorer's own copy is trained when it arrives.
 
 A complete group past its deadline that no plan names is a copy of trajectories trained already (an
 instance regenerated them after a restart): it is dropped and counted (``duplicates_dropped``).
@@ -35,6 +37,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.core.training_input import trajectory_problem
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.signing import signature_problem, signed
 from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, Record, TrainBatch, Trajectory
 
 from .batching import BatchAssembler
@@ -51,8 +54,9 @@ class Assembler:
     name = COMPONENT
     inputs = tuple(INPUTS)
 
-    def __init__(self, run_id: str, config: DoraConfig) -> None:
+    def __init__(self, run_id: str, config: DoraConfig, scorer_key: str = "", token: str = "") -> None:
         self.run_id, self.config = run_id, config
+        self.scorer_key, self.token = scorer_key, token  # checks the scores / signs the refusals (empty: neither)
         self.rules = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
         self.refs: dict[str, Ref] = {}  # pending trajectory id -> where it lies on dora.rollout.scored
         self.recent: deque[list[str]] = deque(maxlen=config.max_staleness + 2)  # ids of the last batches
@@ -67,6 +71,12 @@ class Assembler:
             self.rules.on_plan(int(rec.record.train_step), rec.record.trajectory_ids)
             return
         traj: Trajectory = rec.record
+        forged = signature_problem(traj, self.scorer_key, f"the score of {traj.trajectory_id}")
+        if forged is not None:  # not the scorer's: refused, and its group is left alone (no withdrawal)
+            self.refused += 1
+            letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
+            ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
+            return
         problem = trajectory_problem(traj.prompt_ids, traj.response_ids, traj.behaviour_logprobs, traj.reward,
                                      traj.token_versions, self.config.vocab_size or None)
         if problem is not None:  # an external scorer may write anything: its group is refused and replaced
@@ -136,18 +146,19 @@ class Assembler:
                 traj: Trajectory) -> None:
         """A dead letter naming the trajectory's group: the orchestrator withdraws it and dispatches another."""
         self.refused += 1
-        letter = dead_letter_for(rec, COMPONENT, self.run_id, reason, error_type, ctx.wall_ms(), value=value,
-                                 group_id=traj.group_id, trajectory_id=traj.trajectory_id)
+        letter = signed(dead_letter_for(rec, COMPONENT, self.run_id, reason, error_type, ctx.wall_ms(), value=value,
+                                        group_id=traj.group_id, trajectory_id=traj.trajectory_id), self.token)
         ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
 
 
 def run_assembler(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: dict[tuple[str, int], int],
-                  stop: Callable[[], bool] = lambda: False, token: str = "") -> None:
+                  stop: Callable[[], bool] = lambda: False, token: str = "", scorer_key: str = "") -> None:
     """Assemble until ``stop()``; every batch commits with the state and offsets in one transaction (its
-    snapshots signed with the run's ``token``)."""
+    snapshots and refusals signed with the run's ``token``); it trains only scores signed with ``scorer_key``
+    (the token when empty)."""
     from .kafka_runtime import KafkaDriver
 
-    asm = Assembler(run_id, config)
+    asm = Assembler(run_id, config, scorer_key=scorer_key or token, token=token)
     driver = KafkaDriver(bootstrap, run_id, asm, INPUTS, start_offsets, commit_interval_s=0.5, linger_s=0.0,
                          token=token)
     driver.run(stop, urgent=lambda: any(o.topic == topics.BATCHES for o in driver.ctx.pending))

@@ -2,8 +2,9 @@
 
 Reads ``dora.prompts``, ``dora.policy.versions``, ``dora.rollout.trajectories`` (decoding finished: the
 instance is free of it), ``dora.rollout.scored`` (the trajectory has its reward: its group may be
-planned once every member has one), ``dora.dlq`` (letters naming a ``group_id``: the group was refused,
-so it is withdrawn and a replacement prompt dispatched), ``dora.train.batches`` (consumption) and, in
+planned once every member has one), ``dora.dlq`` (letters naming a ``group_id`` and signed with the run's
+token: the group was refused, so it is withdrawn and a replacement prompt dispatched; an unsigned one is
+dead-lettered, decision 0059), ``dora.train.batches`` (consumption) and, in
 ``dora``/``partial`` mode, the aborted chunks of
 ``dora.rollout.tokens`` (partials of migrating trajectories); writes ``dora.rollout.requests``
 (partition = the target instance's index, key ``v<version>/<group_id>``), ``dora.schedule`` (batch
@@ -34,6 +35,7 @@ import numpy as np
 from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem
 from dora_rl.schemas.records import (
     BatchPlan,
@@ -117,7 +119,10 @@ class Orchestrator:
         elif rec.topic == topics.SCORED:
             self.rules.on_scored(r.trajectory_id)
         elif rec.topic == topics.DLQ:
-            if r.group_id and r.group_id in self.prompts and self.rules.on_refused(r.group_id):
+            if r.group_id and (forged := signature_problem(r, self.token, f"the refusal of group {r.group_id}")):
+                letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
+                ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # names no group
+            elif r.group_id and r.group_id in self.prompts and self.rules.on_refused(r.group_id):
                 log.warning("group %s refused by %s (%s): withdrawn, a replacement is dispatched",
                             r.group_id, r.component, r.reason)
                 self.withdrawn.append(r.group_id)  # its prompt is dropped only when the rules withdrew it

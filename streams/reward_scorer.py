@@ -18,6 +18,10 @@ so batches stay whole groups of exactly TBS. The tries are counted in memory: th
 worker process, so a reward that kills, hangs or exhausts memory costs that worker, never the scorer
 (``dora_rl.core.rewards``), and nothing the scorer does with a trajectory can kill the scorer itself.
 
+Signatures (decision 0059): a score is signed with the run's scorer key, which only the scorer and the
+assembler hold, so the assembler trains no reward another writer of ``dora.rollout.scored`` planted; a
+refusal is signed with the run's token, so no writer outside the run can withdraw a group.
+
 Snapshot: the counters of scored and refused trajectories and when the metrics were last emitted (the
 outputs are a function of the input and the clock alone, so a restore needs nothing else). A regenerated
 copy of a trajectory (an instance restarted) is scored again; the assembler keeps the first copy by
@@ -41,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dora_rl.core.rewards import RewardError, RewardRequest
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.keys import make_key, partition_for
+from dora_rl.infra.kafka.signing import signed
 from dora_rl.infra.reward_worker import RewardRunner
 from dora_rl.schemas.records import Metric, Trajectory
 
@@ -66,8 +71,9 @@ class Scorer:
     inputs: tuple[str, ...] = (topics.TRAJECTORIES,)
 
     def __init__(self, run_id: str, num_partitions: int, score: ScoreFn, max_attempts: int = 2,
-                 metrics_interval_s: float = 1.0) -> None:
+                 metrics_interval_s: float = 1.0, scorer_key: str = "", token: str = "") -> None:
         self.run_id, self.num_partitions, self.score_fn = run_id, num_partitions, score
+        self.scorer_key, self.token = scorer_key, token  # signs the scores / the refusals (empty: unsigned)
         self.max_attempts = max(1, max_attempts)
         self.metrics_interval_s = metrics_interval_s
         self.batch: list[InRecord] = []
@@ -115,7 +121,7 @@ class Scorer:
         for i, rec in enumerate(todo):
             traj: Trajectory = rec.record
             if i in rewards:
-                out = traj.scored(rewards[i], ctx.wall_ms())
+                out = traj.scored(rewards[i], ctx.wall_ms(), self.scorer_key)
                 ctx.emit(topics.SCORED, out, make_key(int(traj.policy_version), traj.group_id),
                          partition=partition_for(traj.group_id, self.num_partitions))
                 self.scored += 1
@@ -127,9 +133,9 @@ class Scorer:
         traj: Trajectory = rec.record
         self.refused += 1
         reason = f"no reward after {self.max_attempts} tries: {err.message}"
-        letter = dead_letter_for(rec, COMPONENT, self.run_id, reason[:2000], "reward", ctx.wall_ms(),
-                                 value=traj.encode()[0], group_id=traj.group_id, trajectory_id=traj.trajectory_id,
-                                 attempts=self.max_attempts)
+        letter = signed(dead_letter_for(rec, COMPONENT, self.run_id, reason[:2000], "reward", ctx.wall_ms(),
+                                        value=traj.encode()[0], group_id=traj.group_id,
+                                        trajectory_id=traj.trajectory_id, attempts=self.max_attempts), self.token)
         ctx.emit(topics.DLQ, letter, make_key(int(traj.policy_version), traj.group_id))
         log.warning("refused %s (group %s): %s", traj.trajectory_id, traj.group_id, reason)
 
@@ -153,14 +159,15 @@ class Scorer:
 
 def run_scorer(bootstrap: str, run_id: str, start_offsets: dict[tuple[str, int], int], num_partitions: int,
                stop: Callable[[], bool] = lambda: False, reward_fn: str = "task", reward_timeout_s: float = 10.0,
-               max_attempts: int = 2, token: str = "") -> None:
-    """Score until ``stop()``; every commit is one transaction (see the module docstring), its snapshot signed
-    with the run's ``token``."""
+               max_attempts: int = 2, token: str = "", scorer_key: str = "") -> None:
+    """Score until ``stop()``; every commit is one transaction (see the module docstring). Its snapshot and
+    refusals are signed with the run's ``token``, its scores with ``scorer_key`` (the token when empty)."""
     from .kafka_runtime import KafkaDriver
 
     runner = RewardRunner(reward_fn, reward_timeout_s)  # an unresolvable reward_fn fails here, before Kafka
     try:
-        scorer = Scorer(run_id, num_partitions, runner_scores(runner), max_attempts)
+        scorer = Scorer(run_id, num_partitions, runner_scores(runner), max_attempts, scorer_key=scorer_key or token,
+                        token=token)
         KafkaDriver(bootstrap, run_id, scorer, {topics.TRAJECTORIES: Trajectory}, start_offsets,
                     commit_interval_s=0.02, linger_s=0.0, token=token).run(stop)
     finally:

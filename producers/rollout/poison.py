@@ -22,6 +22,7 @@ from dora_rl.core.attempts import Attempts
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import RecordProducer, now_ms
 from dora_rl.infra.kafka.keys import make_key
+from dora_rl.infra.kafka.signing import signed
 from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
 from dora_rl.schemas.records import DeadLetter, RolloutRequest
 
@@ -36,8 +37,9 @@ class PoisonGuard:
     """Durable tries and refusals of one rollout instance (see the module docstring)."""
 
     def __init__(self, bootstrap: str, run_id: str, instance_id: str, producer: RecordProducer,
-                 max_attempts: int, state_since: int = 0) -> None:
+                 max_attempts: int, state_since: int = 0, token: str = "") -> None:
         self.run_id, self.instance_id, self.producer = run_id, instance_id, producer
+        self.token = token  # signs the refusals: the orchestrator withdraws a group only on a signed one
         self.max_attempts = max_attempts
         self.name = f"{instance_id}.attempts"
         snap = latest_snapshot(bootstrap, run_id, self.name, since=state_since)
@@ -93,11 +95,12 @@ class PoisonGuard:
             reason = (f"the engine failed on this request alone {t.alone_failed} times "
                       f"({t.raised} calls raised, {t.died} died); last: {cause}")
         value, _ = req.encode()
-        letter = DeadLetter(component=self.instance_id, reason=reason[:2000], error_type=error_type,
+        letter = signed(DeadLetter(component=self.instance_id, reason=reason[:2000], error_type=error_type,
                             source_topic=topics.REQUESTS, source_partition=int(self.instance_id.rsplit("-", 1)[1]),
                             source_offset=offset, ts_ms=now_ms(), run_id=self.run_id,
                             key=make_key(int(req.policy_version), req.group_id).encode(), value=value,
-                            group_id=req.group_id, trajectory_id=req.trajectory_id, attempts=t.failures)
+                            group_id=req.group_id, trajectory_id=req.trajectory_id, attempts=t.failures),
+                        self.token)
         self.producer.send(topics.DLQ, letter, make_key(int(req.policy_version), req.group_id))
         self.producer.flush(30)
         self.refused += 1

@@ -214,7 +214,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     metrics = Metrics(producer, run_id, f"rollout-{index}")
     eng: Engine = engine if engine is not None else make_engine(config, index)
     guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts,
-                        state_since=start_offsets.get((topics.STATE, 0), 0))
+                        state_since=start_offsets.get((topics.STATE, 0), 0), token=token)
     inst = Instance(run_id, index, config, producer, eng.decode, guard)
     fetcher = None
     if eng.fetches_weights:  # imported here: the weight channel needs torch, an emulated instance does not

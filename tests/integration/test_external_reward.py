@@ -54,8 +54,17 @@ def _reference(task: str, seed: int, index: int) -> str:
 def _service(cmd: list[str], bootstrap: str, run_id: str, reward: Path, log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*cmd, str(EXAMPLES / "reward_service.py"), "--bootstrap-servers", bootstrap,
                              "--run-id", run_id, "--schemas", str(REPO / "dora_rl" / "schemas"),
-                             "--reward-fn", f"{reward}:score", "--timeout-s", "1", "--max-attempts", "2"],
+                             "--reward-fn", f"{reward}:score", "--timeout-s", "1", "--max-attempts", "2",
+                             *_key_args(run_id)],
                             stdout=log.open("a"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+
+def _key_args(run_id: str) -> list[str]:
+    """The run's scorer key and token for the service (without them the run refuses its records)."""
+    from dora_rl.roles import run_dir
+
+    return ["--scorer-key-file", str(run_dir(run_id) / "scorer-key"), "--token-file",
+            str(run_dir(run_id) / "weight-token")]
 
 
 def _read(bootstrap: str, run_id: str, topic: str, cls: type) -> list[tuple[int, int, object, object]]:

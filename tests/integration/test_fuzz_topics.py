@@ -6,13 +6,15 @@ Injected, at the head of each topic partition a live role reads: random bytes wi
 cut short, a non-UTF-8 schema header, an unknown schema name, an unknown schema fingerprint, and (on the scored
 topic) a 900 KB record of garbage. Records with bad meaning: a scored trajectory of an unknown group with a NaN
 reward; scored copies of three real trajectories just generated, with a NaN, an infinite and an out-of-range
-reward (a hostile external scorer: whichever copy of a real trajectory the assembler meets first, no batch may
-hold a bad reward and every announced version must hold finite weights); an announcement with no holder; a
+reward, signed with the run's scorer key (a hostile external scorer: whichever copy of a real trajectory the
+assembler meets first, no batch may hold a bad reward and every announced version must hold finite weights); an
+unsigned copy of a real trajectory with reward 1.0 (planted: refused, decision 0059); an announcement with no holder; a
 forged announcement of a new version held elsewhere, signed with another key (decision 0054); announcements
 signed with the run's token but of the wrong kind for their topic (a holder's on the trainer's topic, the
-trainer's on ``dora.policy.holders``, decision 0057); an unsigned
-``done`` of the trainer at the run's last step (it would end the run early and record it FINISHED; the launcher
-passes it by, decision 0057); and refusals naming a queued and an unknown group. ``dora.runs`` and
+trainer's on ``dora.policy.holders``, decision 0057); an unsigned ``done`` of the trainer at the run's last step
+(it would end the run early and record it FINISHED; the launcher passes it by, decision 0057); and refusals
+naming a queued, an unknown and a dispatched group, unsigned or signed with another key (each withdraws nothing
+and the orchestrator dead-letters each, decision 0059). ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
 live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
 readers of that topic (and partition) wrote one.
@@ -99,6 +101,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.io import read_all
+    from dora_rl.infra.kafka.signing import signed
     from dora_rl.infra.weights.announcements import sign
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import DeadLetter, Metric, PolicyVersion
@@ -119,9 +122,12 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
             return report
 
         genuine = PolicyVersion.decode(*_last_record(bootstrap, topics.VERSIONS))  # before any garbage lands there
-        hostile = [(dataclasses.replace(t, reward=r), topics.SCORED, f"real_{name}_reward")
-                   for t, (name, r) in zip(_recent_trajectories(bootstrap, run_id, 3),
-                                           (("nan", math.nan), ("inf", math.inf), ("out_of_range", 7.0)), strict=True)]
+        scorer_key = (rdir / "scorer-key").read_text().strip()  # a hostile scorer of the run holds it
+        recent = _recent_trajectories(bootstrap, run_id, 4)
+        hostile = [(signed(dataclasses.replace(t, reward=r), scorer_key), topics.SCORED, f"real_{name}_reward")
+                   for t, (name, r) in zip(recent[:3], (("nan", math.nan), ("inf", math.inf), ("out_of_range", 7.0)),
+                                           strict=True)]
+        hostile.append((dataclasses.replace(recent[3], reward=1.0), topics.SCORED, "planted_reward"))
         rng = random.Random(0)
         letter = DeadLetter(component="fuzz", reason="x", error_type="x", source_topic="t", source_partition=0,
                             source_offset=0, ts_ms=0, run_id=run_id)
@@ -132,7 +138,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                 for kind, value, headers in _garbage(template, rng):
                     producer.produce(topic, value, b"fuzz", partition=p, headers=headers, on_delivery=sent(kind))
         producer.produce(topics.SCORED, rng.randbytes(900_000), b"fuzz", partition=0, on_delivery=sent("oversize"))
-        nan = _trajectory(run_id, "fuzz-nan", math.nan)
+        nan = signed(_trajectory(run_id, "fuzz-nan", math.nan), scorer_key)
         no_holder = PolicyVersion(run_id=run_id, version=0, step=0, created_ms=0, transport="tcp", holders=(),
                                   total_bytes=0, checksum_algo="sha256", tensors=(), buckets=())
         forged = sign(genuine.replace(run_id=run_id, version=genuine.version + 50, holders=("127.0.0.1:1",),
@@ -141,9 +147,10 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         holder_on_versions = sign(genuine.replace(run_id=run_id, announced_by=PolicyVersion.HOLDER, signature=None),
                                   token)
         trainer_on_holders = sign(genuine.replace(run_id=run_id, signature=None), token)
-        queued, unknown = (DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
-                                      source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
-                           for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group"))
+        queued, unknown, in_flight = (
+            DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
+                       source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
+            for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group", recent[0].group_id))
         for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
                                  (no_holder, topics.VERSIONS, "no_holder"),
                                  (forged, topics.VERSIONS, "forged_announcement"),
@@ -152,7 +159,8 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                                  (Metric(run_id=run_id, component="trainer", name="done", value=CONFIG["steps"],
                                          ts_ms=0), topics.METRICS, "forged_done"),
                                  (queued, topics.DLQ, "refusal_of_queued_group"),
-                                 (unknown, topics.DLQ, "refusal_of_unknown_group")):
+                                 (unknown, topics.DLQ, "refusal_of_unknown_group"),
+                                 (signed(in_flight, "another run's token"), topics.DLQ, "refusal_of_dispatched_group")):
             value, headers = rec.encode()  # type: ignore[attr-defined]
             producer.produce(topic, value, b"fuzz", partition=0, headers=headers, on_delivery=sent(kind))
         assert producer.flush(30) == 0
@@ -166,7 +174,8 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=60)
     assert json.loads(out.read_text())["steps"] == CONFIG["steps"]
-    report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip())
+    report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip(),
+                       (rdir / "scorer-key").read_text().strip())
     assert report.verdict == "PASS", report.render()
 
     letters: dict[tuple[str, int, int], set[str]] = {}  # position -> the components that dead-lettered it
@@ -239,8 +248,10 @@ def _readers(topic: str, partition: int, kind: str) -> set[str]:
     trajectory with a NaN reward decodes (the orchestrator passes it by) and is refused by the assembler."""
     if kind.endswith("_reward"):
         return {"assembler"}
-    if kind.startswith("refusal_of") or kind == "forged_done":  # valid records: read, acted on or passed by
-        return set()  # a dead letter is read, not refused: the audit shows the group trained (nothing missing)
+    if kind.startswith("refusal_of"):  # not signed with the run's token: it withdraws nothing
+        return {"orchestrator"}
+    if kind == "forged_done":  # a valid record: the launcher passes it by
+        return set()
     return {"dora.prompts": {"orchestrator"}, "dora.rollout.requests": {f"rollout-{partition}"},
             "dora.rollout.tokens": {"orchestrator"}, "dora.rollout.trajectories": {"orchestrator", "scorer"},
             "dora.rollout.scored": {"assembler", "orchestrator"}, "dora.instances": {"launcher", "orchestrator"},

@@ -46,7 +46,9 @@ def example_run(bootstrap: str, dora_home: Path, tmp_path_factory: pytest.TempPa
         run_id = next(d.name for d in runs.iterdir() if d.name not in known)
         # worked example 1, as in docs/integration.md (run from the repository root: default --schemas)
         service = subprocess.Popen([*py, str(EXAMPLES / "reward_service.py"), "--bootstrap-servers", bootstrap,
-                                    "--run-id", run_id], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                                    "--run-id", run_id, "--scorer-key-file", str(runs / run_id / "scorer-key"),
+                                    "--token-file", str(runs / run_id / "weight-token")], stdout=log.open("w"),
+                                   stderr=subprocess.STDOUT, cwd=REPO,
                                    start_new_session=True)
         code = launcher.wait(timeout=300)
         text = launcher.stdout.read().decode() if launcher.stdout else ""

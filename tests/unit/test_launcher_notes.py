@@ -65,3 +65,15 @@ def test_only_the_trainer_gets_its_key(tmp_path: Path) -> None:
     assert (key_file.stat().st_mode & 0o777) == 0o600 and len(key_file.read_text()) == 32
     assert key_file.read_text() != launcher.weight_token_file(tmp_path).read_text()
     assert launcher.trainer_key_file(tmp_path).read_text() == key_file.read_text()  # created once (a resume)
+
+
+def test_only_the_scorer_and_the_assembler_get_the_scorers_key(tmp_path: Path) -> None:
+    base = {"DORA_WEIGHT_TOKEN_FILE": str(tmp_path / "weight-token")}
+    for role in ("dataset", "trainer", "orchestrator", "rollout"):
+        assert "DORA_SCORER_KEY_FILE" not in launcher.role_env(role, base, tmp_path)
+    files = {Path(launcher.role_env(role, base, tmp_path)["DORA_SCORER_KEY_FILE"]) for role in ("scorer", "assembler")}
+    assert len(files) == 1
+    key_file = files.pop()
+    assert (key_file.stat().st_mode & 0o777) == 0o600 and len(key_file.read_text()) == 32
+    assert key_file.read_text() not in (launcher.weight_token_file(tmp_path).read_text(),
+                                        launcher.trainer_key_file(tmp_path).read_text())
