@@ -34,7 +34,8 @@ Checks (each a count of violations; the run passes when all are zero):
   other than the instance that generated it was trained (re-fed trajectories of another run aside);
   ``w_unsigned_score``: batched trajectories whose score is not signed with the run's scorer key (given the
   key; re-fed ones aside): a reward someone other than the scorer wrote was trained (decision 0059).
-  Given the run's token, only refusals signed with it count as refusals, as only those withdraw a group.
+  Given the run's token, only refusals signed with it count as refusals, as only those withdraw a group, and
+  only batches signed with it as batches, as only those are trained (decision 0060).
 - **C3** ``c3_over_stale``: batched trajectories with ``base_version - version > max_staleness``.
 - **TBS** ``tbs_wrong_size``: batches whose size is not exactly ``train_batch_size``.
 
@@ -80,6 +81,7 @@ from dora_rl.consumers.replay.source import RecordSource, decoded
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import read_all
 from dora_rl.infra.kafka.runs import get_run
+from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import (
@@ -264,7 +266,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
                       steps_requested=config.steps)
     dead_letters = list(dead_letters)
     trajectories = list(trajectories)
-    batches = list(batches)
+    batches = [b for b in batches if signature_problem(b, token, "batch") is None]  # as the trainer reads them
     rep.provenance, reused = provenance(batches)
     groups_refused = refused_groups(run_id, dead_letters, token)
     rep.refused_groups = list(groups_refused.values())

@@ -37,7 +37,18 @@ from dora_rl.consumers.tensorboard_log import TensorBoardLog
 from dora_rl.core.paired_bootstrap import paired_bootstrap
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer, now_ms
-from dora_rl.infra.kafka.runs import RetentionGap, finish_run, get_run, offsets_map, publish, retention_gaps, start_run
+from dora_rl.infra.kafka.runs import (
+    RetentionGap,
+    RunExists,
+    finish_run,
+    get_run,
+    list_runs,
+    new_run_id,
+    offsets_map,
+    publish,
+    retention_gaps,
+    start_run,
+)
 from dora_rl.infra.kafka.security import child_env, effective
 from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.prompt_source import dataset_identity
@@ -194,11 +205,15 @@ def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tup
     Returns the run and the token file."""
     prepare_topics(bootstrap, config.num_partitions, config.instance_limit)
     config = with_vocab_size(config)
-    info = start_run(bootstrap, config, run_id)
-    rdir = run_dir(info.run_id)
-    (rdir / "config.json").write_text(config.to_json())
+    if run_id is not None and run_id in list_runs(bootstrap):  # before its directory's secrets are touched
+        raise RunExists(f"run {run_id!r} exists on this cluster: choose another id, or continue it with "
+                        f"`dora-rl resume {run_id}`")
+    rdir = run_dir(run_id or new_run_id())
+    token_file = weight_token_file(rdir)  # first: the run record is signed with it
     trainer_key_file(rdir), scorer_key_file(rdir)
-    return info, weight_token_file(rdir)
+    info = start_run(bootstrap, config, rdir.name, token_file.read_text().strip())
+    (rdir / "config.json").write_text(config.to_json())
+    return info, token_file
 
 
 def with_vocab_size(config: DoraConfig) -> DoraConfig:
@@ -260,7 +275,7 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
     doubling work. Every role restores its state from the run's topics."""
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
-    info = get_run(bootstrap, run_id)
+    info = get_run(bootstrap, run_id, _token_of(run_id))
     kill_orphans(run_dir(info.run_id))  # first: they would go on changing the offsets checked below
     gaps = retention_gaps(bootstrap, info)
     if gaps:
@@ -269,9 +284,14 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
     config = DoraConfig.from_json(info.config_json)
     if steps is not None and steps != config.steps:
         config = dataclasses.replace(config, steps=steps).validate()
-        info = info.replace(config_json=config.to_json(), state="STARTED")
-        publish(bootstrap, info)
+        info = publish(bootstrap, info.replace(config_json=config.to_json(), state="STARTED"), _token_of(run_id))
     return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+
+
+def _token_of(run_id: str) -> str:
+    """The run's token, from its directory on this host (empty where there is none: a run created elsewhere)."""
+    path = run_dir(run_id) / WEIGHT_TOKEN_FILE
+    return path.read_text().strip() if path.exists() else ""
 
 
 def kill_orphans(rdir: Path) -> list[int]:
@@ -442,7 +462,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     # version's ran after the last step, outside rl_wall_s)
     in_window = sum(s for v, s in progress.eval_s.items() if v < steps_done)
     summary["train_wall_s_excl_eval"] = round(rl_wall - in_window, 3)
-    finish_run(bootstrap, info, json.dumps(summary), failed=failed is not None)
+    finish_run(bootstrap, info, json.dumps(summary), failed=failed is not None, token=_token_of(info.run_id))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(summary, indent=2))

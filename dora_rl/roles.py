@@ -138,10 +138,10 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
 
     A rollout instance with ``index="auto"`` claims a free index (:mod:`dora_rl.core.instance_ids`);
     ``instance_name`` (stable across restarts) gets the same index back."""
-    info = get_run(bootstrap, run_id)
+    token = weight_token()
+    info = get_run(bootstrap, run_id, token)  # with a token, only a record signed with it (decision 0060)
     config = DoraConfig.from_json(info.config_json)
     start = offsets_map(info)
-    token = weight_token()
     stop = StopFlag().install()
     if index == "auto":
         if role != "rollout":

@@ -390,6 +390,7 @@ class TrainBatch(Record):
     created_ms: int
     trajectories: tuple[Trajectory, ...] = nested(Trajectory)
     provenance: Provenance | None = nested_one(Provenance)
+    signature: str | None = None
 
     def staleness(self) -> list[int]:
         """``base_version - policy_version`` per trajectory (the rule: :mod:`dora_rl.core.staleness`)."""
@@ -399,14 +400,17 @@ class TrainBatch(Record):
         """As :meth:`Record.encode`, the array of trajectories written as their own encodings (kept bytes
         where there are some) between the Avro array's block count and its end."""
         if self._wire() is not None or self.provenance is not None or _last_fields(
-                self.SCHEMA, 2) != ("trajectories", "provenance"):
+                self.SCHEMA, 3) != ("trajectories", "provenance", "signature"):
             return super().encode()
         empty, headers = codec.encode(self.SCHEMA, self.replace(trajectories=()).to_avro())
-        if not empty.endswith(b"\0\0"):  # the empty array, then the null provenance
+        sig = b"\0" if self.signature is None else b"".join((b"\2", _long(len(self.signature.encode())),
+                                                              self.signature.encode()))
+        tail = b"".join((b"\0\0", sig))  # the empty array, the null provenance, the signature
+        if not empty.endswith(tail):
             return super().encode()
         items = [t.encode()[0] for t in self.trajectories]
         array = b"".join((_long(len(items)), *items, b"\0")) if items else b"\0"
-        return b"".join((empty[:-2], array, b"\0")), headers
+        return b"".join((empty[:-len(tail)], array, tail[1:])), headers
 
 
 @dataclass(frozen=True)
@@ -468,6 +472,7 @@ class RunInfo(Record):
     created_ms: int
     start_offsets: tuple[TopicOffset, ...] = nested(TopicOffset)
     summary_json: str | None = None
+    signature: str | None = None
 
 
 @dataclass(frozen=True)
@@ -479,6 +484,7 @@ class BatchPlan(Record):
     train_step: int
     trajectory_ids: tuple[str, ...]
     ts_ms: int
+    signature: str | None = None
 
 
 @dataclass(frozen=True)

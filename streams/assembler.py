@@ -15,7 +15,8 @@ A scored trajectory that may not reach an update (:mod:`dora_rl.core.training_in
 out-of-range reward, non-finite log-probs, ...) is refused on receipt with a dead letter naming its group,
 which the orchestrator withdraws and replaces; it never enters a batch. A score not signed with the run's
 scorer key (decision 0059) is refused too, with a dead letter that names no group: whoever planted it cannot
-withdraw the group, nor have its reward trained; the scorer's own copy is trained when it arrives.
+withdraw the group, nor have its reward trained; the scorer's own copy is trained when it arrives. So is a plan
+not signed with the run's token; the batches it writes are signed with the token, for the trainer (decision 0060).
 
 A complete group past its deadline that no plan names is a copy of trajectories trained already (an
 instance regenerated them after a restart): it is dropped and counted (``duplicates_dropped``).
@@ -68,14 +69,16 @@ class Assembler:
 
     def process(self, rec: InRecord, ctx: Context) -> None:
         if rec.topic == topics.SCHEDULE:
-            self.rules.on_plan(int(rec.record.train_step), rec.record.trajectory_ids)
+            forged = signature_problem(rec.record, self.token, f"the plan of step {rec.record.train_step}")
+            if forged is not None:  # not the orchestrator's: the genuine plan of that step is followed
+                self._letter(ctx, rec, forged)
+            else:
+                self.rules.on_plan(int(rec.record.train_step), rec.record.trajectory_ids)
             return
         traj: Trajectory = rec.record
         forged = signature_problem(traj, self.scorer_key, f"the score of {traj.trajectory_id}")
         if forged is not None:  # not the scorer's: refused, and its group is left alone (no withdrawal)
-            self.refused += 1
-            letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
-            ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
+            self._letter(ctx, rec, forged)
             return
         problem = trajectory_problem(traj.prompt_ids, traj.response_ids, traj.behaviour_logprobs, traj.reward,
                                      traj.token_versions, self.config.vocab_size or None)
@@ -96,10 +99,11 @@ class Assembler:
                                     error_type="batch", source_topic=topics.SCHEDULE, source_partition=0,
                                     source_offset=-1, ts_ms=ctx.wall_ms(), run_id=self.run_id)
                 ctx.emit(topics.DLQ, letter, f"step{cut.train_step}")
-            batch = TrainBatch(run_id=self.run_id, batch_id=f"{self.run_id}/step{cut.train_step}",
-                               train_step=cut.train_step, base_version=cut.train_step,
-                               max_staleness=self.config.max_staleness, created_ms=ctx.wall_ms(),
-                               trajectories=tuple(cut.trajectories))  # type: ignore[arg-type]
+            batch = signed(TrainBatch(run_id=self.run_id, batch_id=f"{self.run_id}/step{cut.train_step}",
+                                      train_step=cut.train_step, base_version=cut.train_step,
+                                      max_staleness=self.config.max_staleness, created_ms=ctx.wall_ms(),
+                                      trajectories=tuple(cut.trajectories)),  # type: ignore[arg-type]
+                           self.token)  # the trainer trains no other
             ctx.emit(topics.BATCHES, batch, make_key(cut.train_step, f"step{cut.train_step}"))
             ids = [t.trajectory_id for t in cut.trajectories]
             for tid in ids:
@@ -141,6 +145,12 @@ class Assembler:
 
     def close(self) -> None:
         log.info("assembler stopping: next step %d, %d pending", self.rules.next_step, self.rules.pending())
+
+    def _letter(self, ctx: Context, rec: InRecord, forged: str) -> None:
+        """A dead letter naming no group: a record not signed by its writer is refused, nothing withdrawn."""
+        self.refused += 1
+        letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
+        ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
 
     def _refuse(self, ctx: Context, rec: InRecord, reason: str, error_type: str, value: bytes,
                 traj: Trajectory) -> None:

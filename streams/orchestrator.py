@@ -35,7 +35,7 @@ import numpy as np
 from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.keys import make_key
-from dora_rl.infra.kafka.signing import signature_problem
+from dora_rl.infra.kafka.signing import signature_problem, signed
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem
 from dora_rl.schemas.records import (
     BatchPlan,
@@ -126,6 +126,10 @@ class Orchestrator:
                 log.warning("group %s refused by %s (%s): withdrawn, a replacement is dispatched",
                             r.group_id, r.component, r.reason)
                 self.withdrawn.append(r.group_id)  # its prompt is dropped only when the rules withdrew it
+        elif rec.topic == topics.BATCHES and self.token and (
+                forged := signature_problem(r, self.token, f"batch {r.batch_id}")):
+            letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
+            ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # it consumed nothing
         elif rec.topic == topics.BATCHES:
             self.consumed_steps = max(self.consumed_steps, int(r.train_step) + 1)
             tids = [t.trajectory_id for t in r.trajectories]
@@ -178,7 +182,8 @@ class Orchestrator:
             self._metric(ctx, "resumed", 1)
             out += 1
         for step, tids in self.rules.plans():
-            plan = BatchPlan(run_id=self.run_id, train_step=step, trajectory_ids=tuple(tids), ts_ms=ctx.wall_ms())
+            plan = signed(BatchPlan(run_id=self.run_id, train_step=step, trajectory_ids=tuple(tids),
+                                    ts_ms=ctx.wall_ms()), self.token)  # the assembler follows no other
             ctx.emit(topics.SCHEDULE, plan, make_key(step, "plan"))
             out += 1
         for gid in self.withdrawn:  # after their cancels were built

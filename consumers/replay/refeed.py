@@ -26,8 +26,10 @@ checksums equal the recorded run's, version for version (checked by the integrat
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dora_rl.config import DoraConfig
@@ -38,6 +40,7 @@ from dora_rl.infra.kafka.io import RecordProducer
 from dora_rl.infra.kafka.keys import make_key
 from dora_rl.infra.kafka.read import now_ms
 from dora_rl.infra.kafka.runs import offsets_map, start_run
+from dora_rl.infra.kafka.signing import signed
 from dora_rl.schemas.records import Provenance, TrainBatch, Trajectory
 
 from .source import RawRecord, RecordSource, decoded
@@ -147,6 +150,16 @@ def build_batches(source: RecordSource, kind: str, run_id: str, config: DoraConf
     raise ValueError(f"refeed source must be one of {SOURCES}, not {kind!r}")
 
 
+def new_token(rdir: Path) -> str:
+    """A fresh token for a new run, in ``<rdir>/weight-token`` (mode 0600), where a trainer started later by
+    hand (``DORA_WEIGHT_TOKEN_FILE``) and ``dora-rl audit`` find it."""
+    rdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = rdir / "weight-token"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_hex(16))
+    return path.read_text()
+
+
 def write_batches(bootstrap: str, run_id: str, batches: Sequence[TrainBatch]) -> None:
     """Every batch to ``dora.train.batches`` in one transaction (key ``v<step:010d>/step<step>``)."""
     producer = RecordProducer(bootstrap, f"replay-refeed-{run_id}", **{"transactional.id": f"dora.{run_id}.refeed"})
@@ -175,12 +188,12 @@ def refeed(source: RecordSource, bootstrap: str, kind: str = "batches", steps: i
     if not batches:
         raise LookupError(f"run {info.run_id} yields no complete batch to re-feed from its {kind}")
     config = new_config(recorded, len(batches), overrides or {})
-    created = start_run(bootstrap, config, run_id)
-    write_batches(bootstrap, run_id, batches)
+    rdir = dora_home() / "runs" / run_id
+    token = new_token(rdir)  # the new run's: its record and batches are signed with it (decision 0060)
+    created = start_run(bootstrap, config, run_id, token)
+    write_batches(bootstrap, run_id, [signed(b.replace(signature=None), token) for b in batches])
     if train:
         from dora_rl.consumers.trainer.role import run_trainer
 
-        rdir = dora_home() / "runs" / run_id
-        rdir.mkdir(parents=True, exist_ok=True)
-        run_trainer(bootstrap, run_id, config, offsets_map(created), rdir, None, stop)
+        run_trainer(bootstrap, run_id, config, offsets_map(created), rdir, token, stop)
     return RefeedResult(run_id, info.run_id, kind, len(batches), sum(len(b.trajectories) for b in batches), left, train)

@@ -260,7 +260,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         if ranks is not None:
             ranks.close()
         if step >= config.steps:
-            record_finished(bootstrap, run_id, step)
+            record_finished(bootstrap, run_id, step, token or "")
     except BaseException:
         if ranks is not None:
             ranks.abort()
@@ -270,12 +270,13 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         publisher.close()
 
 
-def record_finished(bootstrap: str, run_id: str, step: int) -> None:
-    """The run reached its steps: record it ``FINISHED`` (a run without a launcher has no one else to; a
-    launcher, which stops the trainer before it records its own summary, overwrites this one)."""
+def record_finished(bootstrap: str, run_id: str, step: int, token: str = "") -> None:
+    """The run reached its steps: record it ``FINISHED``, signed with the run's ``token`` (a run without a
+    launcher has no one else to; a launcher, which stops the trainer before it records its own summary,
+    overwrites this one)."""
     from dora_rl.infra.kafka.runs import finish_run, get_run
 
-    info = get_run(bootstrap, run_id)
+    info = get_run(bootstrap, run_id, token)
     if info.state == "STARTED":
-        finish_run(bootstrap, info, json.dumps({"steps": step, "recorded_by": COMPONENT}))
+        finish_run(bootstrap, info, json.dumps({"steps": step, "recorded_by": COMPONENT}), token=token)
         log.info("run %s recorded FINISHED at step %d", run_id, step)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dora_rl.config import DoraConfig
 from dora_rl.core.training_input import trajectory_problem
+from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.infra.weights.checksum import AUTHENTICATED
 from dora_rl.infra.weights.sync import Publisher
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
@@ -77,9 +78,10 @@ class TrainerSession:
     """One trainer incarnation's state: ``step`` is the next train step (= the newest version announced)."""
 
     def __init__(self, config: DoraConfig, state: TrainerState, publisher: Publisher, checkpoints: Path,
-                 incarnation: str, vocab: int | None = None) -> None:
+                 incarnation: str, vocab: int | None = None, token: str = "") -> None:
         self.config, self.state, self.publisher = config, state, publisher
         self.checkpoints, self.incarnation, self.vocab = checkpoints, incarnation, vocab
+        self.token = token  # the run's: a batch not signed with it is refused (none: unchecked)
         self.step = 0
 
     def announce(self, version: int, stats: dict[str, float]) -> PolicyVersion:
@@ -122,6 +124,9 @@ class TrainerSession:
 
     def check(self, batch: TrainBatch) -> Skip | Refuse | None:
         """What to do with ``batch`` without training it: skip, refuse, or None (train it)."""
+        forged = signature_problem(batch, self.token, f"batch {batch.batch_id}")
+        if forged is not None:  # before the step checks: a forged batch may neither be trained nor skip one
+            return Refuse(forged, "signature")
         if batch.train_step < self.step:
             return Skip(f"step {batch.train_step} is trained already")
         if batch.train_step > self.step:
@@ -159,4 +164,4 @@ def start_session(config: DoraConfig, run_id: str, run_dir: Path, token: str, in
                          "the assembler would check token ids against the wrong vocabulary")
     checkpoints = run_dir / "trainer-state"
     checkpoints.mkdir(parents=True, exist_ok=True)
-    return TrainerSession(config, state, publisher, checkpoints, incarnation, vocab=vocab)
+    return TrainerSession(config, state, publisher, checkpoints, incarnation, vocab=vocab, token=token)

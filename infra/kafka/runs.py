@@ -18,6 +18,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import RecordProducer, metadata, now_ms, read_all, reader_config, watermarks
 from dora_rl.infra.kafka.security import client_config, security_errors_fatal
+from dora_rl.infra.kafka.signing import signature_problem, signed
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RunInfo, TopicOffset
 
@@ -48,40 +49,43 @@ class RunExists(ValueError):
     """A run id given for a new run is recorded already (a run is never overwritten: resume it instead)."""
 
 
-def start_run(bootstrap: str, config: DoraConfig, run_id: str | None = None) -> RunInfo:
-    """Record a new run (state STARTED) with its start offsets; returns it. A given ``run_id`` that is
-    recorded already raises :class:`RunExists` (its config and start offsets would be replaced)."""
+def start_run(bootstrap: str, config: DoraConfig, run_id: str | None = None, token: str = "") -> RunInfo:
+    """Record a new run (state STARTED) with its start offsets, signed with the run's ``token``; returns it. A
+    given ``run_id`` that is recorded already raises :class:`RunExists` (its config and start offsets would be
+    replaced)."""
     if run_id is not None and run_id in list_runs(bootstrap):
         raise RunExists(f"run {run_id!r} exists on this cluster: choose another id, or continue it with "
                         f"`dora-rl resume {run_id}`")
     info = RunInfo(run_id=run_id or new_run_id(), state="STARTED", mode=config.mode,
                    config_json=config.to_json(), created_ms=now_ms(),
                    start_offsets=tuple(end_offsets(bootstrap)))
-    publish(bootstrap, info)
-    return info
+    return publish(bootstrap, info, token)
 
 
-def publish(bootstrap: str, info: RunInfo) -> None:
-    """Write a run record (compacted by run id)."""
+def publish(bootstrap: str, info: RunInfo, token: str = "") -> RunInfo:
+    """Write a run record (compacted by run id), signed with the run's ``token`` (decision 0060); returns it."""
+    info = signed(info.replace(signature=None), token)
     producer = RecordProducer(bootstrap, "dora-runs")
     producer.send(topics.RUNS, info, f"run/{info.run_id}")
     producer.flush()
+    return info
 
 
-def finish_run(bootstrap: str, info: RunInfo, summary_json: str, failed: bool = False) -> RunInfo:
-    """Record the end of a run with its summary."""
-    done = info.replace(state="FAILED" if failed else "FINISHED", summary_json=summary_json)
-    publish(bootstrap, done)
-    return done
+def finish_run(bootstrap: str, info: RunInfo, summary_json: str, failed: bool = False, token: str = "") -> RunInfo:
+    """Record the end of a run with its summary (signed with the run's ``token``)."""
+    return publish(bootstrap, info.replace(state="FAILED" if failed else "FINISHED", summary_json=summary_json), token)
 
 
-def list_runs(bootstrap: str) -> dict[str, RunInfo]:
-    """Latest record of every run, by run id (sorted by id, i.e. by start time)."""
+def list_runs(bootstrap: str, token: str = "") -> dict[str, RunInfo]:
+    """Latest record of every run, by run id (sorted by id, i.e. by start time). Given a run's ``token``, only
+    records signed with it count, so only that run is listed, from its genuine records (decision 0060)."""
     runs: dict[str, RunInfo] = {}
     for msg in read_all(bootstrap, topics.RUNS):
         try:
             info = RunInfo.decode(msg.value(), msg.headers())
         except DecodeError:
+            continue
+        if signature_problem(info, token, "run record") is not None:
             continue
         prev = runs.get(info.run_id)
         # the STARTED record carries the offsets; later records keep them
@@ -91,11 +95,13 @@ def list_runs(bootstrap: str) -> dict[str, RunInfo]:
     return dict(sorted(runs.items()))
 
 
-def get_run(bootstrap: str, run_id: str | None = None) -> RunInfo:
-    """The run ``run_id``, or the most recent run when None; LookupError if there is none."""
-    runs = list_runs(bootstrap)
+def get_run(bootstrap: str, run_id: str | None = None, token: str = "") -> RunInfo:
+    """The run ``run_id``, or the most recent run when None; LookupError if there is none. Given the run's
+    ``token``: its latest record signed with it (a record anyone else wrote is passed by)."""
+    runs = list_runs(bootstrap, token)
     if not runs:
-        raise LookupError("no runs recorded on this cluster (topic dora.runs is empty)")
+        raise LookupError("no runs recorded on this cluster (topic dora.runs is empty)" if not token else
+                          "no run record signed with this run's token on dora.runs")
     if run_id is None:
         return runs[sorted(runs)[-1]]
     if run_id not in runs:

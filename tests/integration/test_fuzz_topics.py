@@ -14,7 +14,9 @@ signed with the run's token but of the wrong kind for their topic (a holder's on
 trainer's on ``dora.policy.holders``, decision 0057); an unsigned ``done`` of the trainer at the run's last step
 (it would end the run early and record it FINISHED; the launcher passes it by, decision 0057); and refusals
 naming a queued, an unknown and a dispatched group, unsigned or signed with another key (each withdraws nothing
-and the orchestrator dead-letters each, decision 0059). ``dora.runs`` and
+and the orchestrator dead-letters each, decision 0059); an unsigned plan of the last step naming groups that do
+not exist and an unsigned, empty batch of the next step (the assembler, and the trainer and the orchestrator,
+refuse them, decision 0060). ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
 live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
 readers of that topic (and partition) wrote one.
@@ -104,7 +106,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     from dora_rl.infra.kafka.signing import signed
     from dora_rl.infra.weights.announcements import sign
     from dora_rl.schemas.codec import DecodeError
-    from dora_rl.schemas.records import DeadLetter, Metric, PolicyVersion
+    from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, PolicyVersion, TrainBatch
 
     out = tmp_path / "summary.json"
     launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, CONFIG, json_out=out)
@@ -160,7 +162,13 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                                          ts_ms=0), topics.METRICS, "forged_done"),
                                  (queued, topics.DLQ, "refusal_of_queued_group"),
                                  (unknown, topics.DLQ, "refusal_of_unknown_group"),
-                                 (signed(in_flight, "another run's token"), topics.DLQ, "refusal_of_dispatched_group")):
+                                 (signed(in_flight, "another run's token"), topics.DLQ, "refusal_of_dispatched_group"),
+                                 (BatchPlan(run_id=run_id, train_step=CONFIG["steps"] - 1, ts_ms=0,
+                                            trajectory_ids=tuple(f"{run_id}/fuzz/{i}" for i in range(
+                                                CONFIG["train_batch_size"]))), topics.SCHEDULE, "forged_plan"),
+                                 (TrainBatch(run_id=run_id, batch_id=f"{run_id}/forged", train_step=steps_done(
+                                     bootstrap, run_id), base_version=0, max_staleness=CONFIG["max_staleness"],
+                                     created_ms=0, trajectories=()), topics.BATCHES, "forged_batch")):
             value, headers = rec.encode()  # type: ignore[attr-defined]
             producer.produce(topic, value, b"fuzz", partition=0, headers=headers, on_delivery=sent(kind))
         assert producer.flush(30) == 0
@@ -252,6 +260,10 @@ def _readers(topic: str, partition: int, kind: str) -> set[str]:
         return {"orchestrator"}
     if kind == "forged_done":  # a valid record: the launcher passes it by
         return set()
+    if kind == "forged_plan":  # not signed with the run's token (decision 0060)
+        return {"assembler"}
+    if kind == "forged_batch":
+        return {"orchestrator", "trainer"}
     return {"dora.prompts": {"orchestrator"}, "dora.rollout.requests": {f"rollout-{partition}"},
             "dora.rollout.tokens": {"orchestrator"}, "dora.rollout.trajectories": {"orchestrator", "scorer"},
             "dora.rollout.scored": {"assembler", "orchestrator"}, "dora.instances": {"launcher", "orchestrator"},

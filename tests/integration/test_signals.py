@@ -73,3 +73,26 @@ def test_an_existing_run_id_is_refused_not_overwritten(bootstrap: str) -> None:
     with pytest.raises(RunExists, match="dora-rl resume run-id-taken"):
         start_run(bootstrap, DoraConfig.from_dict(emulated_run(steps=5)), run_id="run-id-taken")
     assert get_run(bootstrap, "run-id-taken").config_json == first.config_json  # the record is unchanged
+
+
+def test_a_rewritten_run_record_does_not_change_the_run_for_a_role_holding_its_token(bootstrap: str) -> None:
+    """Decision 0060: a record of the run written after it, unsigned or signed with another run's token (another
+    ``reward_fn``, a FINISHED state), is passed by whoever holds the run's token; its own signed records count."""
+    import dataclasses
+
+    from dora_rl.config import DoraConfig
+    from dora_rl.infra.kafka.runs import finish_run, get_run, list_runs, publish, start_run
+    from dora_rl.infra.kafka.signing import signed
+
+    config = DoraConfig.from_dict(emulated_run(steps=2))
+    genuine = start_run(bootstrap, config, run_id="run-signed", token="the run's token")
+    evil = dataclasses.replace(config, reward_fn="os:system").to_json()
+    for key in ("", "another run's token"):
+        publish(bootstrap, signed(genuine.replace(config_json=evil, state="FINISHED", signature=None), key), key)
+    assert get_run(bootstrap, "run-signed").config_json == evil  # an operator's read without the token
+    mine = get_run(bootstrap, "run-signed", "the run's token")
+    assert (mine.config_json, mine.state, mine.start_offsets) == (genuine.config_json, "STARTED",
+                                                                  genuine.start_offsets)
+    assert list(list_runs(bootstrap, "the run's token")) == ["run-signed"]  # no other run's record verifies
+    finish_run(bootstrap, mine, "{}", token="the run's token")
+    assert get_run(bootstrap, "run-signed", "the run's token").state == "FINISHED"

@@ -1,6 +1,8 @@
 """Scores are the scorer's and refusals the run's (decision 0059): the assembler trains only scores signed with
 the scorer key, the orchestrator withdraws a group only on a refusal signed with the run's token, the roles sign
-what they write, and the audit FAILs a run that trained an unsigned score. No broker: processors in memory."""
+what they write, and the audit FAILs a run that trained an unsigned score. Plans and batches are the run's
+(decision 0060): the assembler follows, and the trainer trains, only those signed with its token. No broker:
+processors in memory."""
 
 from __future__ import annotations
 
@@ -83,14 +85,44 @@ def test_the_assembler_trains_the_scorers_copy_not_a_reward_planted_before_it() 
     planted = [InRecord(topics.SCORED, 0, 0, None, _traj(0, 1.0)),
                InRecord(topics.SCORED, 0, 1, None, signed(_traj(1, 1.0), "not the scorer's key"))]
     real = [InRecord(topics.SCORED, 0, 2 + i, None, _traj(i).scored(0.25, 1, KEY)) for i in range(4)]
-    plan = InRecord(topics.SCHEDULE, 0, 0, None, BatchPlan(run_id=RUN, train_step=0, ts_ms=0,
-                                                           trajectory_ids=tuple(f"{RUN}/p0/{i}" for i in range(4))))
-    out = _assemble([*planted, *real, plan])
+    out = _assemble([*planted, *real, _plan(0, TOKEN)])
     letters = [o.record for o in out if o.topic == topics.DLQ]
     assert [(d.source_offset, d.error_type, d.group_id) for d in letters] == [(0, "signature", None),
                                                                             (1, "signature", None)]
     batch = next(o.record for o in out if o.topic == topics.BATCHES)
     assert [t.reward for t in batch.trajectories] == [0.25] * 4
+
+
+def _plan(offset: int, key: str, group: str = "p0") -> InRecord:
+    plan = BatchPlan(run_id=RUN, train_step=0, ts_ms=0, trajectory_ids=tuple(f"{RUN}/{group}/{i}" for i in range(4)))
+    return InRecord(topics.SCHEDULE, 0, offset, None, signed(plan, key))
+
+
+def test_the_assembler_follows_the_orchestrators_plan_and_signs_the_batch_for_the_trainer() -> None:
+    """A plan of step 0 naming group p1, not signed with the run's token, arrives first: refused (a letter naming
+    no group); the genuine plan (group p0) is followed, and the batch is signed with the token."""
+    scored = [InRecord(topics.SCORED, 0, i + 4 * (g == "p1"), None, _traj(i, gid=f"{RUN}/{g}").scored(0.25, 1, KEY))
+              for g in ("p0", "p1") for i in range(4)]
+    out = _assemble([*scored, _plan(0, "another run's token", "p1"), _plan(1, TOKEN)])
+    assert [(o.record.source_topic, o.record.error_type, o.record.group_id) for o in out if o.topic == topics.DLQ] == [
+        (topics.SCHEDULE, "signature", None)]
+    batch = next(o.record for o in out if o.topic == topics.BATCHES)
+    assert {t.group_id for t in batch.trajectories} == {f"{RUN}/p0"}
+    decoded = TrainBatch.decode(*batch.encode())
+    assert signature_problem(decoded, TOKEN, "batch") is None and signature_problem(decoded, KEY, "batch")
+
+
+def test_the_trainer_refuses_a_batch_not_signed_with_the_token_and_trains_the_genuine_one() -> None:
+    from types import SimpleNamespace
+
+    from dora_rl.consumers.trainer.session import Refuse, TrainerSession
+
+    session = TrainerSession(CFG, SimpleNamespace(), SimpleNamespace(), None, "i", token=TOKEN)  # type: ignore[arg-type]
+    _, _, (batch,) = _one_step(KEY)
+    for forged in (batch.replace(signature=None), signed(batch.replace(signature=None), "another run's token")):
+        verdict = session.check(TrainBatch.decode(*forged.encode()))
+        assert isinstance(verdict, Refuse) and verdict.kind == "signature", verdict
+    assert session.check(TrainBatch.decode(*batch.encode())) is None
 
 
 def test_the_assembler_without_a_key_checks_nothing() -> None:
@@ -149,8 +181,8 @@ def _one_step(reward_key: str, refused_group: bool = False) -> tuple[list[Rollou
                                partial_ids=t.prompt_ids[:0], partial_logprobs=t.behaviour_logprobs[:0])
                 for t in generated]
     scored = tuple(t.scored(0.5, 1, reward_key) for t in generated[:4])
-    batch = TrainBatch(run_id=RUN, batch_id=f"{RUN}/step0", train_step=0, base_version=0, max_staleness=0,
-                       created_ms=0, trajectories=scored)
+    batch = signed(TrainBatch(run_id=RUN, batch_id=f"{RUN}/step0", train_step=0, base_version=0, max_staleness=0,
+                              created_ms=0, trajectories=scored), TOKEN)
     return requests, generated, [batch]
 
 
@@ -169,3 +201,13 @@ def test_the_audit_counts_only_signed_refusals_given_the_token() -> None:
     for letter, verdict in ((signed(_refusal(f"{RUN}/p9"), TOKEN), "PASS"), (_refusal(f"{RUN}/p9"), "FAIL")):
         rep = audit_records(RUN, CFG, *records, [letter], token=TOKEN)
         assert rep.verdict == verdict, rep.render()
+
+
+def test_the_audit_counts_only_batches_signed_with_the_token_given_it() -> None:
+    """An unsigned, empty batch of the run's step is not trained by the trainer: the audit, given the token, does
+    not count it either (else it would read as a second, wrong-sized batch of that step)."""
+    requests, generated, (batch,) = _one_step(KEY)
+    forged = batch.replace(trajectories=(), batch_id=f"{RUN}/forged", signature=None)
+    rep = audit_records(RUN, CFG, requests, generated, [batch, forged], token=TOKEN)
+    assert rep.verdict == "PASS", rep.render()
+    assert audit_records(RUN, CFG, requests, generated, [batch, forged]).verdict == "FAIL"

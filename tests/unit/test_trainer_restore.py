@@ -13,6 +13,7 @@ import pytest
 from dora_rl.config import DoraConfig
 from dora_rl.consumers.trainer.session import Refuse, Skip, TrainerSession, start_session
 from dora_rl.consumers.trainer.step import train_step
+from dora_rl.infra.kafka.signing import signed
 from dora_rl.schemas.records import PolicyVersion, TrainBatch, Trajectory
 
 RUN, STEPS = "r1", 3
@@ -36,8 +37,9 @@ def _batch(step: int) -> TrainBatch:
                           behaviour_logprobs=rng.uniform(-3, -0.1, n).astype(np.float32),
                           reward=float(i), instance_version=max(0, step - 1))
 
-    return TrainBatch(run_id=RUN, batch_id=f"{RUN}/step{step}", train_step=step, base_version=step, max_staleness=1,
-                      created_ms=0, trajectories=tuple(traj(g, i) for g in range(2) for i in range(2)))
+    return signed(TrainBatch(run_id=RUN, batch_id=f"{RUN}/step{step}", train_step=step, base_version=step,
+                             max_staleness=1, created_ms=0,
+                             trajectories=tuple(traj(g, i) for g in range(2) for i in range(2))), "token")
 
 
 class Crash(Exception):
