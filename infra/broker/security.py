@@ -82,8 +82,9 @@ class Grant:
 
 def role_grants(role: str, run_id: str | None = None) -> tuple[Grant, ...]:
     """The ACLs a DORA *role* needs (see :data:`ROLES`), derived from the topic catalogue; with *run_id*, for
-    that run only: its consumer groups and transactional ids are ``dora.<run_id>.*``, so the principal can
-    neither commit offsets for, nor fence, another run's roles (readers' group ids ``dora-*`` never commit).
+    that run and role only: its consumer groups and transactional ids are ``dora.<run_id>.<component>*``
+    (:func:`own_components`), so the principal can neither commit offsets for, nor fence, another run's roles
+    or another role of its own run (readers' group ids ``dora-*`` never commit).
 
     Every principal: READ on groups ``dora*`` (its run's groups, the readers' ``dora-reader-*``, …) and READ
     on topics ``dora.*`` (which implies DESCRIBE: metadata, offsets). Reads are not narrowed per topic: a
@@ -95,8 +96,8 @@ def role_grants(role: str, run_id: str | None = None) -> tuple[Grant, ...]:
     """
     if role not in ROLES:
         raise ValueError(f"unknown DORA role {role!r}; roles: {ROLES}")
-    scope = TRANSACTIONAL_PREFIX if run_id is None else f"dora.{run_id}."
-    groups = [GROUP_PREFIX] if run_id is None else [scope, "dora-"]
+    own = [TRANSACTIONAL_PREFIX] if run_id is None else [f"dora.{run_id}.{c}" for c in own_components(role)]
+    groups = [GROUP_PREFIX] if run_id is None else [*own, "dora-"]
     out = [Grant("TOPIC", TOPIC_PREFIX, "PREFIXED", "READ"), *(Grant("GROUP", g, "PREFIXED", "READ") for g in groups)]
     if role == "operator":
         writers = {"monitor", *OPERATOR_TOOLS}
@@ -110,8 +111,16 @@ def role_grants(role: str, run_id: str | None = None) -> tuple[Grant, ...]:
     names = [s.name for s in topics.catalogue() if writers & set(s.writers)]
     out += [Grant("TOPIC", name, "LITERAL", "WRITE") for name in dict.fromkeys(names)]
     if role in TRANSACTIONAL_ROLES:
-        out.append(Grant("TRANSACTIONAL_ID", scope, "PREFIXED", "WRITE"))
+        out += [Grant("TRANSACTIONAL_ID", t, "PREFIXED", "WRITE") for t in own]
     return tuple(out)
+
+
+def own_components(role: str) -> tuple[str, ...]:
+    """The component names under which ``role`` commits offsets and runs transactions in a run
+    (``dora.<run>.<component>...``): an instance's ``rollout-<i>``, the outside reward service's group beside the
+    scorer's, the operator's tools; one role's grant never covers another role's group or transactional id."""
+    return {"rollout": ("rollout-",), "scorer": ("scorer", "reward-service"),
+            "operator": OPERATOR_TOOLS}.get(role, (role,))
 
 
 def _openssl(args: list[str], cwd: Path) -> None:

@@ -118,9 +118,11 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
 
 
 def run_state(bootstrap: str, run_id: str) -> str:
+    """The run's state, read as its roles read it: from its latest record signed with its token (decision 0060)."""
     from dora_rl.infra.kafka.runs import get_run
+    from dora_rl.roles import run_token
 
-    return str(get_run(bootstrap, run_id).state)
+    return str(get_run(bootstrap, run_id, run_token(run_id)).state)
 
 
 def stop(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -> None:

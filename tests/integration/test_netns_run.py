@@ -9,14 +9,19 @@ instance fetched weights across namespaces over the configured channel, with the
 UCX restricted to its network transport (``ucx/net TLS=tcp NET_DEVICES=eth0``: no shared memory, no
 cma across namespaces, since host ids differ per network namespace) in the PLAINTEXT run, TCP in the
 SASL_SSL run. The SASL_SSL run gives every role its own SCRAM user holding only its ACLs (derived from
-the topic catalogue); against the same broker a role with a wrong password fails within 30 s with
-``_AUTHENTICATION`` and a role without its ACLs fails with ``TOPIC_AUTHORIZATION_FAILED``; then every
+the topic catalogue, granted for this run and the role's own groups and transactional ids); while it trains,
+a principal of another run and the run's own rollout principal try to announce a version, finish the run,
+plant a reward, withdraw a group and commit the assembler's offsets (``hostile.py``): each is refused by the
+broker or dead-lettered by its reader, and the run ends as if nothing happened (issue 32). Against the same
+broker a role with a wrong password fails within 30 s with ``_AUTHENTICATION`` and a role without its ACLs
+fails with ``TOPIC_AUTHORIZATION_FAILED``; then every
 log, the run's files (its recorded config included) and every record of the run on every topic are
 searched for each password and the weight token: none is found.
 Needs root (namespaces): with ``CI=true`` a missing capability fails, elsewhere it skips with the reason.
 
 Time budget (CI): each run must finish within 420 s (``wait_for`` below); measured here on 2 shared cores,
-the whole test takes 48 s (PLAINTEXT, UCX) and 83 s (SASL_SSL, TCP, the failure cases and the search).
+the whole test takes 48 s (PLAINTEXT, UCX) and 76 s (SASL_SSL, TCP, 16 steps, the attacks, the failure cases
+and the search).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hostile import Attack
 from multihost import STREAM_ROLES, claimed_indices, create_run, role_argv, run_state, stop
 from run_helpers import wait_for
 
@@ -68,14 +74,19 @@ def start_broker(lab: Any, data_dir: Path, security: Any = None) -> Any:
 
 
 def run_across_namespaces(lab: Any, bootstrap: str, tmp_path: Path, dora_home: Path, config: dict[str, Any],
-                          env_for: Callable[[str], dict[str, str]] = lambda role: {}) -> tuple[str, Path]:
+                          env_for: Callable[[str], dict[str, str]] = lambda role: {},
+                          created: Callable[[str], None] = lambda run_id: None,
+                          training: Callable[[str], bool] = lambda run_id: True) -> tuple[str, Path]:
     """Create the run from here, start every role in its namespace, wait for FINISHED; (run id, logs).
-    ``env_for(role)`` adds a role's environment (``launcher`` for ``dora-rl create``)."""
+    ``env_for(role)`` adds a role's environment (``launcher`` for ``dora-rl create``); ``created(run_id)`` is
+    called before any role starts, ``training(run_id)`` at each poll while the run goes on, until it returns
+    True."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config))
     base = dict(os.environ, PYTHONUNBUFFERED="1")
     base.pop("DORA_WEIGHT_TOKEN", None)
     run_id = create_run(bootstrap, cfg, {**base, **env_for("launcher")})
+    created(run_id)
     base["DORA_WEIGHT_TOKEN_FILE"] = str(dora_home / "runs" / run_id / "weight-token")
     logs = tmp_path / "logs"
     logs.mkdir(exist_ok=True)
@@ -94,9 +105,13 @@ def run_across_namespaces(lab: Any, bootstrap: str, tmp_path: Path, dora_home: P
         spawn("trainer", "trainer", "trainer", role_argv("trainer", bootstrap, run_id))
         spawn("streams", "dataset", "dataset", role_argv("dataset", bootstrap, run_id))
 
+        attacked: list[bool] = []
+
         def finished() -> bool:
             dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
             assert not dead, f"roles died: {dead}: " + (logs / f"{dead[0]}.log").read_text()[-3000:]
+            if not attacked and training(run_id):
+                attacked.append(True)
             return run_state(bootstrap, run_id) == "FINISHED"
 
         wait_for(finished, 420, "the run to finish across namespaces")
@@ -111,16 +126,19 @@ def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> 
     from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.io import read_all
     from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.signing import signature_problem
+    from dora_rl.roles import run_token
     from dora_rl.schemas.records import PolicyVersion
 
-    report = audit_run(bootstrap, run_id)
+    token = run_token(run_id)  # as the run's readers read: announcements not signed with it are passed by
+    report = audit_run(bootstrap, run_id, token)
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0
     assert sorted(claimed_indices(bootstrap, run_id).values()) == [0, 1]
     offsets = offsets_map(get_run(bootstrap, run_id))
-    holders = {h for topic in (topics.VERSIONS, topics.HOLDERS)  # the trainer's, and the instances' as holders
-               for m in read_all(bootstrap, topic, topic_start(offsets, topic))
-               for h in PolicyVersion.decode(m.value(), m.headers()).holders}
+    announcements = [PolicyVersion.decode(m.value(), m.headers()) for topic in (topics.VERSIONS, topics.HOLDERS)
+                     for m in read_all(bootstrap, topic, topic_start(offsets, topic))]  # the trainer's, the holders'
+    holders = {h for a in announcements if signature_problem(a, token, "announcement") is None for h in a.holders}
     lab_ips = {lab.ip(h) for h in ("trainer", "rollout-a", "rollout-b")}
     assert holders and {h.rsplit(":", 1)[0] for h in holders} <= lab_ips, f"holders {holders} not in {lab_ips}"
     fetches = []
@@ -159,11 +177,21 @@ def test_the_same_run_with_sasl_ssl_per_role_users_and_acls_and_no_secret_anywhe
         admin = broker.admin()
         for role, sec in users.items():
             admin.create_user(str(sec.username), passwords[role])
-            admin.grant_role(f"User:{sec.username}", role)
+            if role in ("launcher", "operator"):  # they serve every run
+                admin.grant_role(f"User:{sec.username}", role)
+
+        def grant(run_id: str) -> None:  # the run's roles: for this run and their own groups only (0018, 0060)
+            for role in ROLES:
+                admin.grant_role(f"User:{users[role].username}", role, run_id=run_id)
+
+        attack = Attack(admin, bootstrap, ca, dora_home, users["rollout"])
         with ks.using(users["operator"]):  # this process (the operator's tools: state, audit, reads)
             run_id, logs = run_across_namespaces(lab, bootstrap, tmp_path, dora_home,
-                                                 {**CONFIG, "weight_transport": "tcp"}, lambda role: envs[role])
+                                                 {**CONFIG, "weight_transport": "tcp", "steps": 16},  # > the attack
+                                                 lambda role: envs[role],
+                                                 grant, attack)
             fetches = check_run(lab, bootstrap, run_id, logs, "via tcp 10.")
+            attack.check(run_id)
         print("\n".join(fetches))
 
         wrong = ks.ClientSecurity("SASL_SSL", username="dora-scorer", password=f"wrong-{uuid.uuid4().hex}", ca_file=ca)

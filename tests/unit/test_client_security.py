@@ -141,6 +141,27 @@ def test_role_grants_follow_the_catalogue() -> None:
         role_grants("root")
 
 
+def test_run_scoped_grants_cover_the_roles_own_groups_and_transactions_only() -> None:
+    """Granted for one run, a role's GROUP and TRANSACTIONAL_ID prefixes cover its own components' names in that
+    run (as the roles name them: ``dora.<run>.<component>...``) and no other role's, nor another run's."""
+    from dora_rl.infra.broker.security import own_components
+
+    names = {"trainer": ["trainer"], "orchestrator": ["orchestrator"], "assembler": ["assembler"],
+             "scorer": ["scorer", "reward-service"], "dataset": ["dataset"],
+             "rollout": ["rollout-0", "rollout-3.versions.1"], "launcher": ["launcher"],
+             "monitor": ["monitor.monitor.1"]}
+    for role in ROLES:
+        grants = [g for g in role_grants(role, run_id="runA") if g.resource in ("GROUP", "TRANSACTIONAL_ID")]
+        assert all(g.pattern == "PREFIXED" for g in grants)
+        for owner, components in names.items():
+            for c in components:
+                covered = any(f"dora.runA.{c}".startswith(g.name) for g in grants if g.resource == "GROUP")
+                mine = owner == role or (role == "operator" and owner == "monitor")
+                assert covered == mine, (role, owner, c)
+                assert not any(f"dora.runB.{c}".startswith(g.name) for g in grants if g.name != "dora-")
+        assert own_components(role)
+
+
 def test_broker_material_is_private_and_reused(tmp_path: Path) -> None:
     sec = BrokerSecurity(hosts=("127.0.0.1", "10.1.2.3"))
     m = sec.materialize(tmp_path / "sec")
