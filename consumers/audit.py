@@ -35,7 +35,8 @@ Checks (each a count of violations; the run passes when all are zero):
   ``w_unsigned_score``: batched trajectories whose score is not signed with the run's scorer key (given the
   key; re-fed ones aside): a reward someone other than the scorer wrote was trained (decision 0059).
   Given the run's token, only refusals signed with it count as refusals, as only those withdraw a group, and
-  only batches signed with it as batches, as only those are trained (decision 0060).
+  only batches signed with it as batches, as only those are trained (decision 0060), and only trajectories
+  signed with it as generated, as only those are scored (decision 0062).
 - **C3** ``c3_over_stale``: batched trajectories with ``base_version - version > max_staleness``.
 - **TBS** ``tbs_wrong_size``: batches whose size is not exactly ``train_batch_size``.
 
@@ -265,7 +266,7 @@ def audit_records(run_id: str, config: DoraConfig, requests: Iterable[RolloutReq
     rep = AuditReport(run_id, config.mode, config.max_staleness, config.train_batch_size,
                       steps_requested=config.steps)
     dead_letters = list(dead_letters)
-    trajectories = list(trajectories)
+    trajectories = [t for t in trajectories if signature_problem(t, token, "trajectory") is None]  # as read
     batches = [b for b in batches if signature_problem(b, token, "batch") is None]  # as the trainer reads them
     rep.provenance, reused = provenance(batches)
     groups_refused = refused_groups(run_id, dead_letters, token)

@@ -371,6 +371,12 @@ class RewardService:
         key = msg.key() or f"{msg.topic()}/{msg.partition()}/{msg.offset()}".encode()
         return (DLQ, key, *self.wire.encode("DeadLetter", letter, self.token), None)
 
+    def _generated_by_the_run(self, traj: dict[str, Any]) -> bool:
+        """The trajectory carries the signature of an instance of the run (its weight token)."""
+        body = self.wire.encode("Trajectory", {**traj, "signature": None})[0]
+        expected = hmac.new(self.token.encode(), body, hashlib.sha256).hexdigest()
+        return bool(traj.get("signature")) and hmac.compare_digest(str(traj["signature"]), expected)
+
     def _score_batch(self, msgs: list[Any]) -> tuple[list[Any], dict[tuple[str, int], int]]:
         """Outputs for a prefix of ``msgs`` scored within the budget; the first offset left per partition."""
         outs: list[Any] = []
@@ -387,6 +393,10 @@ class RewardService:
                 outs.append(self._letter(msg, str(exc), "decode", None, 0))
                 continue
             if traj["run_id"] != self.args.run_id:
+                continue
+            if self.token and not self._generated_by_the_run(traj):  # DORA's own scorer refuses it too
+                outs.append(self._letter(msg, f"trajectory {traj['trajectory_id']} is not signed with the run's "
+                                              "token", "signature", None, 0))
                 continue
             outcome: float | str = "not tried"
             for _ in range(self.args.max_attempts):

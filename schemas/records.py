@@ -284,16 +284,20 @@ class Trajectory(Record):
 
     def scored(self, reward: float, scored_ms: int, key: str = "") -> Trajectory:
         """This trajectory with its reward (the scorer's output), signed with ``key`` when one is given:
-        ``signature = HMAC-SHA256(key, encoding with signature null)`` (as ``infra/kafka/signing.mac``).
-        From kept bytes whose last four fields are still null, the copy's bytes are those with ``reward``,
-        ``scored_ms`` and the signature written in: no new encoding (see the module docstring)."""
-        out = self.replace(reward=reward, scored_ms=scored_ms, signature=None)
+        ``signature = HMAC-SHA256(key, encoding with signature null)`` (as ``infra/kafka/signing.mac``), in place
+        of the instance's signature. From kept bytes whose reward, ``scored_ms`` and provenance are still null,
+        the copy's bytes are those with ``reward``, ``scored_ms`` and the signature written in: no new encoding
+        (see the module docstring)."""
+        out = self.replace(reward=reward, scored_ms=scored_ms, signature=None)  # the instance's signature goes
         wire = self._wire()
+        sig = b"\0" if self.signature is None else b"".join((b"\2", _long(len(self.signature.encode())),
+                                                              self.signature.encode()))
         if not (wire is not None and self.reward is None and self.scored_ms is None and self.provenance is None
-                and self.signature is None and wire.endswith(b"\0\0\0\0")
+                and wire.endswith(b"\0\0\0" + sig)
                 and _last_fields(self.SCHEMA, 4) == ("reward", "scored_ms", "provenance", "signature")):
             return out.replace(signature=_hmac_hex(key, out.encode()[0])) if key else out
-        body = b"".join((wire[:-4], b"\2", struct.pack("<d", float(reward)), b"\2", _long(int(scored_ms)), b"\0\0"))
+        body = b"".join((wire[:-3 - len(sig)], b"\2", struct.pack("<d", float(reward)), b"\2",
+                         _long(int(scored_ms)), b"\0\0"))
         if not key:
             return out._keep(body)
         signature = _hmac_hex(key, body)

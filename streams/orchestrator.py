@@ -114,6 +114,10 @@ class Orchestrator:
                 ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
             else:
                 self.rules.on_version(int(r.version), ctx.now())
+        elif rec.topic == topics.TRAJECTORIES and self.token and (
+                forged := signature_problem(r, self.token, f"trajectory {r.trajectory_id}")):
+            letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
+            ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # it completed nothing
         elif rec.topic == topics.TRAJECTORIES:
             self.rules.on_completed(r.trajectory_id, len(r.prompt_ids), len(r.response_ids))
         elif rec.topic == topics.SCORED:

@@ -43,6 +43,7 @@ from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka.keys import make_key, partition_for
 from dora_rl.infra.kafka.security import KafkaSecurityError
+from dora_rl.infra.kafka.signing import signed
 from dora_rl.infra.observability import prom
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem, sign
 from dora_rl.infra.weights.protocol import WeightFetchError
@@ -62,8 +63,9 @@ class Instance:
     """State and Kafka outputs of one rollout instance (callbacks run in the generation thread)."""
 
     def __init__(self, run_id: str, index: int, config: DoraConfig, producer: RecordProducer,
-                 decode: Callable[[list[int]], str], guard: PoisonGuard) -> None:
+                 decode: Callable[[list[int]], str], guard: PoisonGuard, token: str = "") -> None:
         self.run_id, self.index, self.config = run_id, index, config
+        self.token = token  # signs each trajectory: the scorer scores no other (decision 0062)
         self.instance_id = f"rollout-{index}"
         self.producer = producer
         self.decode = decode
@@ -130,7 +132,7 @@ class Instance:
                 tv = np.concatenate([np.asarray(req.partial_versions, dtype=np.int64),
                                      np.full(n_new, self.held, dtype=np.int64)])
                 version = int(tv.min()) if len(tv) else version
-            traj = Trajectory(
+            traj = signed(Trajectory(
                 run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id, prompt_id=req.prompt_id,
                 sample_index=req.sample_index, group_size=req.group_size, policy_version=version,
                 task=req.task, reference=req.reference, prompt_ids=req.prompt_ids, token_versions=tv,
@@ -138,7 +140,7 @@ class Instance:
                 behaviour_logprobs=np.asarray(res.logprobs, dtype=np.float32),
                 response_text=self.decode(list(res.token_ids)), finish_reason=FINISH[res.finish_reason],
                 instance_id=self.instance_id, instance_version=self.held, dispatched_ms=req.dispatched_ms,
-                first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000))
+                first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000)), self.token)
             try:
                 self.producer.send(topics.TRAJECTORIES, traj, make_key(int(req.policy_version), req.group_id),
                                    partition=self._partition(req.group_id))
@@ -215,7 +217,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     eng: Engine = engine if engine is not None else make_engine(config, index)
     guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts,
                         state_since=start_offsets.get((topics.STATE, 0), 0), token=token)
-    inst = Instance(run_id, index, config, producer, eng.decode, guard)
+    inst = Instance(run_id, index, config, producer, eng.decode, guard, token)
     fetcher = None
     if eng.fetches_weights:  # imported here: the weight channel needs torch, an emulated instance does not
         from dora_rl.infra.weights.sync import Fetcher

@@ -1,6 +1,7 @@
 """Issue 32's takeover attempts against a live run on a secured cluster (SASL_SSL, per-role users, ACLs per run
 and role): a principal of another run, and the run's own rollout principal writing what is not its own, try to
-announce a version, finish the run, plant a reward, withdraw a group and commit offsets for another role. Each
+announce a version, finish the run, plant a reward, inject a generated trajectory, withdraw a group and commit
+offsets for another role. Each
 must be refused by the broker, or passed by with a dead letter by the reader it targets; :meth:`Attack.check`
 then requires that the run ended as if nothing happened. (tests/integration is on sys.path.)"""
 
@@ -12,8 +13,9 @@ from typing import Any
 
 OTHER = "other-run"
 """The run the foreign principal belongs to (its grants), whose token and scorer key it signs with."""
-FOREIGN_ROLES = ("trainer", "scorer", "launcher")
-"""What the foreign principal may do in its own run: announce, end a run (``done``, run records), score, refuse."""
+FOREIGN_ROLES = ("trainer", "scorer", "launcher", "rollout")
+"""What the foreign principal may do in its own run: announce, end a run (``done``, run records), score, refuse,
+generate."""
 
 
 class Attack:
@@ -53,6 +55,8 @@ class Attack:
             "finish_done": (topics.METRICS, signed(Metric(run_id=run_id, component="trainer", name="done",
                                                           value=4.0, ts_ms=0), key)),
             "plant_reward": (topics.SCORED, signed(traj.replace(reward=1.0, signature=None), key)),
+            "inject_trajectory": (topics.TRAJECTORIES, signed(traj.replace(response_text="forged", signature=None),
+                                                              key)),
             "withdraw": (topics.DLQ, signed(DeadLetter(component="rollout-0", reason="forged", error_type="engine",
                                                        source_topic=topics.REQUESTS, source_partition=0,
                                                        source_offset=0, ts_ms=0, run_id=run_id,
@@ -120,7 +124,8 @@ class Attack:
             if d.run_id == run_id and d.error_type in ("signature", "announcement"):
                 letters.setdefault((d.source_topic, d.source_partition, d.source_offset), set()).add(d.component)
         for attempt, reader in (("foreign_announce", "orchestrator"), ("foreign_plant_reward", "assembler"),
-                                ("foreign_withdraw", "orchestrator")):
+                                ("foreign_withdraw", "orchestrator"), ("foreign_inject_trajectory", "scorer"),
+                                ("foreign_inject_trajectory", "orchestrator")):
             assert reader in letters.get(self.written[attempt], set()), (attempt, letters)
         token = (self.dora_home / "runs" / run_id / "weight-token").read_text().strip()
         genuine = get_run(self.bootstrap, run_id, token)

@@ -231,8 +231,12 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
         log = launcher.stdout.read().decode() if launcher.stdout else ""
         assert code == 0, log[-3000:]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if launcher.poll() is None:  # a failure before the end: stop the run as a user would (no orphan roles)
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
         if prometheus is not None:
             prometheus[0].kill()
             prometheus[0].wait()

@@ -64,11 +64,33 @@ def test_the_scorer_signs_its_scores_with_its_key_and_its_refusals_with_the_toke
     scorer = Scorer(RUN, 4, score, max_attempts=1, scorer_key=KEY, token=TOKEN)
     ctx = _ctx()
     for i in range(2):
-        scorer.process(InRecord(topics.TRAJECTORIES, 0, i, None, _traj(i)), ctx)
+        scorer.process(InRecord(topics.TRAJECTORIES, 0, i, None, signed(_traj(i), TOKEN)), ctx)
     scorer.punctuate(0.0, ctx)
     out = {o.topic: o.record for o in ctx.take() if o.topic in (topics.SCORED, topics.DLQ)}
     assert signature_problem(out[topics.SCORED], KEY, "score") is None
     assert signature_problem(out[topics.DLQ], TOKEN, "refusal") is None and out[topics.DLQ].group_id
+
+
+@pytest.mark.parametrize("key", ["", "another run's token"])
+def test_the_scorer_does_not_score_a_trajectory_no_instance_of_the_run_signed(key: str) -> None:
+    """Decision 0062: injected on dora.rollout.trajectories (another run's rollout principal may write it), a
+    copy with other tokens would be scored and signed, then trained: it is refused unscored, naming no group."""
+    scorer = Scorer(RUN, 4, lambda batch: [1.0] * len(batch), scorer_key=KEY, token=TOKEN)
+    ctx = _ctx()
+    scorer.process(InRecord(topics.TRAJECTORIES, 0, 3, None, signed(_traj(0), key)), ctx)
+    scorer.punctuate(0.0, ctx)
+    out = [o for o in ctx.take() if o.topic in (topics.SCORED, topics.DLQ)]
+    assert [(o.topic, o.record.source_offset, o.record.error_type, o.record.group_id) for o in out] == [
+        (topics.DLQ, 3, "signature", None)]
+
+
+def test_the_orchestrator_counts_no_completion_from_a_trajectory_no_instance_of_the_run_signed() -> None:
+    orch, ctx, gid = _dispatched_orchestrator()
+    orch.process(InRecord(topics.TRAJECTORIES, 0, 9, None, _traj(0, gid=gid)), ctx)
+    letters = [o.record for o in ctx.take() if o.topic == topics.DLQ]
+    assert [(d.source_topic, d.source_offset, d.error_type) for d in letters] == [(topics.TRAJECTORIES, 9, "signature")]
+    orch.process(InRecord(topics.TRAJECTORIES, 0, 10, None, signed(_traj(0, gid=gid), TOKEN)), ctx)
+    assert not [o for o in ctx.take() if o.topic == topics.DLQ]
 
 
 def _assemble(records: list[InRecord]) -> list[OutRecord]:
@@ -174,7 +196,8 @@ def _one_step(reward_key: str, refused_group: bool = False) -> tuple[list[Rollou
                                                                      list[TrainBatch]]:
     """One step's records: group p0 trained (scores signed with ``reward_key``); with ``refused_group``, group p9
     dispatched as well and generated, never trained."""
-    generated = [_traj(i) for i in range(4)] + [_traj(i, gid=f"{RUN}/p9") for i in range(4 if refused_group else 0)]
+    generated = [signed(t, TOKEN) for t in [_traj(i) for i in range(4)]
+                 + [_traj(i, gid=f"{RUN}/p9") for i in range(4 if refused_group else 0)]]
     requests = [RolloutRequest(run_id=RUN, trajectory_id=t.trajectory_id, group_id=t.group_id, prompt_id=t.prompt_id,
                                sample_index=t.sample_index, group_size=4, policy_version=0, instance_id="rollout-0",
                                action="GENERATE", task="reverse", reference="ab", prompt_ids=t.prompt_ids,
