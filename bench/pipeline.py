@@ -60,9 +60,12 @@ JIT = {"shipped": (), "c1": ("-XX:TieredStopAtLevel=1",), "tiered": ("-XX:Tiered
 Wire = tuple[bytes, bytes, list[tuple[str, str | bytes | None]], int]  # value, key, headers, partition
 
 
-def workload(run_id: str, steps: int, tbs: int, group: int, partitions: int, seed: int) -> list[list[Wire]]:
-    """Encoded trajectories per step (group ``<run>/p<i>``, trajectory ``<group>/<j>``, version = step)."""
+def workload(run_id: str, steps: int, tbs: int, group: int, partitions: int, seed: int,
+             token: str = "") -> list[list[Wire]]:
+    """Encoded trajectories per step (group ``<run>/p<i>``, trajectory ``<group>/<j>``, version = step), each
+    signed with the run's ``token`` as an instance signs it (decision 0062)."""
     from dora_rl.infra.kafka.keys import make_key, partition_for
+    from dora_rl.infra.kafka.signing import signed
     from dora_rl.schemas.records import Trajectory
 
     rng, out = random.Random(seed), []
@@ -79,7 +82,7 @@ def workload(run_id: str, steps: int, tbs: int, group: int, partitions: int, see
                                behaviour_logprobs=np.full(len(text), -0.5, np.float32), response_text=text,
                                instance_id="rollout-0", instance_version=k, dispatched_ms=1, first_token_ms=2,
                                finished_ms=3)
-                value, headers = t.encode()
+                value, headers = signed(t, token).encode()
                 recs.append((value, make_key(k, gid).encode(), list(headers), partition_for(gid, partitions)))
         out.append(recs)
     return out
@@ -157,11 +160,13 @@ def thread_cpu_s(pid: int | None) -> dict[str, float]:
 
 
 def start_roles(bootstrap: str, run: str, tag: str, logs: Path, args: argparse.Namespace,
-                code: str | None) -> dict[str, subprocess.Popen[bytes]]:
+                code: str | None, rdir: Path) -> dict[str, subprocess.Popen[bytes]]:
     """``dora-rl scorer`` and ``dora-rl assembler`` of ``run`` (under cProfile with ``--profile``; importing
-    ``dora_rl`` from the checkout ``code`` when given)."""
+    ``dora_rl`` from the checkout ``code`` when given), with the run's token and scorer key as ``dora-rl run``
+    gives them (``rdir``: the run's directory), so every record is signed and checked as in a run."""
     exe = shutil.which("dora-rl", path=str(Path(sys.executable).parent))
-    env = {**os.environ, **({"PYTHONPATH": code} if code else {})}
+    env = {**os.environ, **({"PYTHONPATH": code} if code else {}), "DORA_WEIGHT_TOKEN_FILE": str(rdir / "weight-token"),
+           "DORA_SCORER_KEY_FILE": str(rdir / "scorer-key")}
     roles = {}
     for role in ("scorer", "assembler"):
         prof = [sys.executable, "-m", "cProfile", "-o", f"{args.profile}/{tag}-{role}.prof"] if args.profile else []
@@ -180,6 +185,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     from dora_rl.infra.kafka.io import RecordProducer, read_all
     from dora_rl.infra.kafka.keys import make_key
     from dora_rl.infra.kafka.runs import offsets_map, topic_start
+    from dora_rl.infra.kafka.signing import signed
     from dora_rl.launcher import create
     from dora_rl.schemas.records import BatchPlan, TrainBatch
 
@@ -188,9 +194,9 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "steps": total, "train_batch_size": args.tbs,
                                 "rollout_batch_size": 2 * args.tbs, "group_size": args.group,
                                 "num_partitions": args.partitions, "task": "reverse", "reward_fn": "task"})
-    info, _ = create(cfg, bootstrap)
-    run, start = info.run_id, offsets_map(info)
-    steps = workload(run, total, args.tbs, args.group, args.partitions, args.seed)
+    info, token_file = create(cfg, bootstrap)
+    run, start, token = info.run_id, offsets_map(info), token_file.read_text().strip()
+    steps = workload(run, total, args.tbs, args.group, args.partitions, args.seed, token)
     ids = [[f"{run}/p{k * groups + g}/{j}" for g in range(groups) for j in range(args.group)] for k in range(total)]
     planner = RecordProducer(bootstrap, f"bench-planner-{run}", **{"transactional.id": f"dora.{run}.bench-planner"})
     planner.init_transactions()
@@ -198,13 +204,14 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     def plan(ks: list[int]) -> None:  # as the orchestrator's commit: plans in one transaction
         planner.raw.begin_transaction()
         for k in ks:
-            planner.send(topics.SCHEDULE, BatchPlan(run_id=run, train_step=k, trajectory_ids=tuple(ids[k]),
-                                                    ts_ms=int(time.time() * 1000)), make_key(k, "plan"))
+            planner.send(topics.SCHEDULE, signed(BatchPlan(run_id=run, train_step=k, trajectory_ids=tuple(ids[k]),
+                                                           ts_ms=int(time.time() * 1000)), token), make_key(k, "plan"))
         planner.raw.commit_transaction(30)
 
     obs = Observer(bootstrap, run, start, groups, args.group, plan if plans == "scored" else None)
     obs.start()
-    roles = start_roles(bootstrap, run, f"{plans}-{rate:g}{'-baseline' if code else ''}", logs, args, code)
+    roles = start_roles(bootstrap, run, f"{plans}-{rate:g}{'-baseline' if code else ''}", logs, args, code,
+                        token_file.parent)
     if plans == "ahead":
         plan(list(range(total)))
     producer = RecordProducer(bootstrap, f"bench-rollout-{run}")  # the rollout instances' producer settings
