@@ -74,11 +74,11 @@ def workload(run_id: str, steps: int, tbs: int, group: int, partitions: int, see
         for g in range(tbs // group):
             gid = f"{run_id}/p{k * (tbs // group) + g}"
             ref = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(64, 512)))
-            for j in range(group):
+            for j in range(group):  # token ids below 50: inside the vocabulary the run records (its model's, 59)
                 text = ref if j % 2 == 0 else ref[::-1][:len(ref) + rng.randint(-8, 8)]
                 t = Trajectory(run_id=run_id, trajectory_id=f"{gid}/{j}", group_id=gid, prompt_id=gid, sample_index=j,
                                group_size=group, policy_version=k, task="reverse", reference=ref,
-                               prompt_ids=np.arange(64, dtype=np.int32), response_ids=np.ones(len(text), np.int32),
+                               prompt_ids=np.arange(64, dtype=np.int32) % 50, response_ids=np.ones(len(text), np.int32),
                                behaviour_logprobs=np.full(len(text), -0.5, np.float32), response_text=text,
                                instance_id="rollout-0", instance_version=k, dispatched_ms=1, first_token_ms=2,
                                finished_ms=3)
