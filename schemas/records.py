@@ -142,6 +142,17 @@ class Record:
             return wire, list(_headers(self.SCHEMA))
         return codec.encode(self.SCHEMA, self.to_avro())
 
+    def unsigned_encoding(self) -> bytes:
+        """The Avro bytes of this record with its ``signature`` field null: what a signature covers
+        (``infra/kafka/signing.py``). From kept bytes ending in the signature (the last field), that field is
+        cut and written null, with no new encoding."""
+        wire, sig = self._wire(), getattr(self, "signature", None)
+        if wire is not None and _last_fields(self.SCHEMA, 1) == ("signature",):
+            tail = b"\0" if sig is None else b"".join((b"\2", _long(len(sig.encode())), sig.encode()))
+            if wire.endswith(tail):
+                return wire[:-len(tail)] + b"\0"
+        return self.replace(signature=None).encode()[0]
+
     def _wire(self) -> bytes | None:
         """The bytes this record was decoded from (current schema, ``keep_wire``), else None."""
         return self.__dict__.get("_wire_bytes")

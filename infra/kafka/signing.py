@@ -18,14 +18,15 @@ class Signable(Protocol):
 
     def encode(self) -> tuple[bytes, list[tuple[str, bytes]]]: ...
 
+    def unsigned_encoding(self) -> bytes: ...
+
 
 S = TypeVar("S", bound=Signable)
 
 
 def mac(record: Signable, token: str) -> str:
     """The signature ``record`` has when signed with ``token``."""
-    body = record.replace(signature=None).encode()[0]
-    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
+    return hmac.new(token.encode(), record.unsigned_encoding(), hashlib.sha256).hexdigest()
 
 
 def signed(record: S, token: str) -> S:

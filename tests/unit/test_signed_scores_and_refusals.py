@@ -234,3 +234,15 @@ def test_the_audit_counts_only_batches_signed_with_the_token_given_it() -> None:
     rep = audit_records(RUN, CFG, requests, generated, [batch, forged], token=TOKEN)
     assert rep.verdict == "PASS", rep.render()
     assert audit_records(RUN, CFG, requests, generated, [batch, forged]).verdict == "FAIL"
+
+
+@pytest.mark.parametrize("signature_key", ["", "k"])
+def test_what_a_signature_covers_is_the_same_from_kept_bytes_as_from_a_fresh_encoding(signature_key: str) -> None:
+    """``Record.unsigned_encoding`` cuts the signature off kept bytes instead of encoding again: the same bytes,
+    for every signed record kind, decoded with and without its bytes kept."""
+    records = [_traj(0), BatchPlan(run_id=RUN, train_step=1, trajectory_ids=("a", "b"), ts_ms=3), _refusal("g"),
+               _one_step(KEY)[2][0].replace(signature=None)]
+    for rec in records:
+        value, headers = signed(rec, signature_key).encode()
+        for decoded in (type(rec).decode(value, headers, keep_wire=True), type(rec).decode(value, headers)):
+            assert decoded.unsigned_encoding() == rec.replace(signature=None).encode()[0], type(rec).__name__
