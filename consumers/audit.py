@@ -27,7 +27,8 @@ Checks (each a count of violations; the run passes when all are zero):
   reports the three counts per version, in any run).
 - **Versions** ``v_checksum_conflicts``: a version announced (by the trainer on ``dora.policy.versions``
   or any holder on ``dora.policy.holders``) with two different sets of bucket checksums;
-  ``v_not_increasing``: a trainer announcement whose version is not above every earlier one. An
+  ``v_not_increasing``: a trainer announcement whose version is not above every earlier one (an exact repeat
+  of an earlier announcement, same version and checksums, is a replay: reported as ``v_replayed``). An
   announcement of the wrong kind for its topic is refused by every reader, and counted in ``v_refused``.
 - **Writers** ``w_not_as_generated``: batched trajectories whose tokens (version, prompt and response ids)
   match no copy that an instance wrote on ``dora.rollout.trajectories``: a scored record written by someone
@@ -139,6 +140,9 @@ class AuditReport:
     waste_trajectories: int = 0
     waste_tokens: int = 0
     v_refused: int = 0
+    v_replayed: int = 0
+    """Trainer announcements repeating an earlier one (same version and checksums) after a newer version: every
+    reader keeps the newest, so they are reported, not violations."""
     """Announcements every reader refuses (no holder, a negative version): left out of the version checks."""
     c3_over_stale: int = 0
     tbs_wrong_size: int = 0
@@ -194,6 +198,9 @@ class AuditReport:
                          "(partial mode mixes versions by design)")
         if self.v_refused:
             lines.append(f"  note v_refused = {self.v_refused} (announcements refused on receipt, not checked)")
+        if self.v_replayed:
+            lines.append(f"  note v_replayed = {self.v_replayed} (earlier announcements repeated: readers keep "
+                         "the newest)")
         if self.dead_letters:
             lines.append(f"  dead letters: {self.dead_letters}")
         lines.extend(f"  re-fed from run {src}: {c['batches']} batches, {c['trajectories']} trajectories"
@@ -236,13 +243,16 @@ def audit_versions(rep: AuditReport, versions: Iterable[PolicyVersion], token: s
                 or kind_problem(ann, kind)) is not None:  # every reader refuses it
             rep.v_refused += 1
             continue
-        checksums[int(ann.version)].add(tuple(b.checksum for b in ann.buckets))
+        named = tuple(b.checksum for b in ann.buckets)
         if kind == PolicyVersion.TRAINER:
-            if int(ann.version) <= newest:
+            if int(ann.version) <= newest and named in checksums[int(ann.version)] and int(ann.version) in announced:
+                rep.v_replayed += 1  # an earlier announcement again, byte for byte in what it names: no regression
+            elif int(ann.version) <= newest:
                 rep.v_not_increasing += 1
                 rep.examples.append(f"versions: the trainer announced {ann.version} after {newest}")
             newest = max(newest, int(ann.version))
             announced.add(int(ann.version))
+        checksums[int(ann.version)].add(named)
     for v, sums in sorted(checksums.items()):
         if len(sums) > 1:
             rep.v_checksum_conflicts += 1

@@ -120,7 +120,9 @@ def test_versions_one_checksum_each_only_going_up_and_every_batch_trained() -> N
     # each topic carries one kind: a holder on the trainer's topic, or the reverse, is refused as every reader does
     wrong = audit_records("r", CFG, reqs, t, b, [], [*good, ann(1, "bb", "HOLDER")], holders=[ann(1, "cc")])
     assert wrong.ok and wrong.v_refused == 2 and wrong.v_checksum_conflicts == 0
-    assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(2), ann(1)]).v_not_increasing == 1
+    replay = audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1), ann(2), ann(1)])  # an earlier one again
+    assert replay.ok and (replay.v_not_increasing, replay.v_replayed) == (0, 1), replay.render()
+    assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(2), ann(1)]).v_not_increasing == 1
     assert audit_records("r", CFG, reqs, t, b, [], [ann(0), ann(1)]).c2_untrained_steps == 1
     assert audit_records("r", CFG, reqs, t, [*b, b[1]], [], good).c2_duplicate_steps == 1
 
@@ -233,3 +235,21 @@ def test_a_trained_trajectory_no_instance_generated_fails_the_audit() -> None:
     assert any("a/0" in e and "no instance generated" in e for e in rep.examples)
     regenerated = t[0].replace(response_ids=np.array([7, 7, 7], dtype=np.int32))  # a second generated copy
     assert audit_records("r", CFG, reqs, [*t, regenerated], [batch(0, [planted, *t[1:4]]), b[1]]).ok
+
+
+def test_a_repeated_announcement_is_a_replay_and_a_new_lower_version_a_violation() -> None:
+    """Issue 31: an earlier announcement sent again (a replay: same version and checksums) after a newer one is
+    reported, since every reader keeps the newest; a version never announced before, below the newest, fails."""
+    from dora_rl.consumers.audit import AuditReport, audit_versions
+    from dora_rl.schemas.records import PolicyVersion
+
+    def ann(v: int) -> PolicyVersion:
+        return PolicyVersion(run_id="r", version=v, step=v, created_ms=0, transport="tcp", holders=("h:1",),
+                             total_bytes=0, checksum_algo="xxh3_64", tensors=(), buckets=())
+
+    replayed = AuditReport("r", "dora", 1, 4)
+    assert audit_versions(replayed, [ann(0), ann(1), ann(2), ann(0)]) == {0, 1, 2}
+    assert (replayed.v_replayed, replayed.v_not_increasing) == (1, 0)
+    regressed = AuditReport("r", "dora", 1, 4)
+    audit_versions(regressed, [ann(0), ann(2), ann(1)])
+    assert (regressed.v_replayed, regressed.v_not_increasing) == (0, 1)
