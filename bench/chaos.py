@@ -95,7 +95,8 @@ class RunWatch:
         start = offsets_map(get_run(bootstrap, run_id))
         self.run_id = run_id
         self.consumer = Consumer(reader_config(bootstrap, f"chaos-{time.time()}"))
-        names = [topics.METRICS, topics.VERSIONS, topics.STATE, topics.INSTANCES, topics.SCORED]
+        names = [topics.in_run(run_id, t) for t in (topics.METRICS, topics.VERSIONS, topics.STATE, topics.INSTANCES,
+                                                       topics.SCORED)]
         md = self.consumer.list_topics(timeout=30)
         self.consumer.assign([TopicPartition(t, p, start.get((t, p), 0)) for t in names
                               for p in md.topics[t].partitions])
@@ -316,8 +317,9 @@ def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:
         watch = RunWatch(bootstrap, rdir.name)
         while len(watch.steps) < steps // 3:
             watch.poll()
-        md = AdminClient(client_config(bootstrap)).list_topics(topics.BATCHES, timeout=10)
-        victim = cluster.node_index(md.topics[topics.BATCHES].partitions[0].leader)
+        batches = topics.in_run(rdir.name, topics.BATCHES)
+        md = AdminClient(client_config(bootstrap)).list_topics(batches, timeout=10)
+        victim = cluster.node_index(md.topics[batches].partitions[0].leader)
         t_kill, at = time.time(), len(watch.steps)
         cluster.kill_node(victim)
         print(f"killed broker node {victim} after {at} steps", file=sys.stderr)

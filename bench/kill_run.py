@@ -42,8 +42,7 @@ def main() -> None:
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra.broker.dist import dora_home
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.launcher import ensure_broker
     from dora_rl.schemas.records import PolicyVersion
 
@@ -74,9 +73,9 @@ def main() -> None:
     watch.close()
     summary = json.loads(out.read_text())
     report = audit_run(bootstrap, rdir.name)
-    offsets = offsets_map(get_run(bootstrap, rdir.name))
+    info = get_run(bootstrap, rdir.name)
     checksums: dict[int, set[str]] = {}  # the trainer's and every holder's (a restarted trainer's too)
-    for msg in (m for t in (topics.VERSIONS, topics.HOLDERS) for m in read_all(bootstrap, t, topic_start(offsets, t))):
+    for msg in (m for t in (topics.VERSIONS, topics.HOLDERS) for m in read_run(bootstrap, info, t)):
         ann = PolicyVersion.decode(msg.value(), msg.headers())
         if ann.run_id == rdir.name:
             checksums.setdefault(int(ann.version), set()).add(",".join(b.checksum for b in ann.buckets))

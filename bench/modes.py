@@ -138,19 +138,15 @@ def collect(bootstrap: str, run_id: str, summary: dict[str, Any]) -> dict[str, A
     """Figures of one finished run, read back from its topics."""
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import InstanceStatus, Metric, TrainBatch
 
     info = get_run(bootstrap, run_id)
 
-    def start(topic: str) -> dict[int, int]:
-        return {o.partition: o.offset for o in info.start_offsets if o.topic == topic}
-
     wait = train = 0.0
     step_end_ms: dict[int, int] = {}
     step_tokens: dict[int, float] = {}
-    for msg in read_all(bootstrap, topics.METRICS, start(topics.METRICS)):
+    for msg in read_run(bootstrap, info, topics.METRICS):
         m = Metric.decode(msg.value(), msg.headers())
         if m.run_id != run_id or m.component != "trainer" or m.step is None:
             continue
@@ -162,12 +158,12 @@ def collect(bootstrap: str, run_id: str, summary: dict[str, Any]) -> dict[str, A
         elif m.name == "trained_tokens":
             step_tokens[m.step] = m.value
     busy: dict[str, float] = {}
-    for msg in read_all(bootstrap, topics.INSTANCES, start(topics.INSTANCES)):
+    for msg in read_run(bootstrap, info, topics.INSTANCES):
         st = InstanceStatus.decode(msg.value(), msg.headers())
         if st.run_id == run_id:
             busy[st.instance_id] = max(busy.get(st.instance_id, 0.0), st.busy_s)
     prompts = trajs = 0
-    for msg in read_all(bootstrap, topics.BATCHES, start(topics.BATCHES)):
+    for msg in read_run(bootstrap, info, topics.BATCHES):
         b = TrainBatch.decode(msg.value(), msg.headers())
         if b.run_id == run_id:
             prompts += sum(len(t.prompt_ids) for t in b.trajectories)

@@ -40,13 +40,14 @@ def write_prompts(bootstrap: str, run_id: str, n: int) -> float:
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "batch.size": 1_000_000,
                          "compression.type": "lz4", "queue.buffering.max.messages": 1_000_000})
     ids = np.asarray([5, 6, 7, 8], dtype=np.int32)
+    prompts = topics.in_run(run_id, topics.PROMPTS)
     for i in range(n):
         p = Prompt(run_id=run_id, prompt_id=f"p{i}", group_id=f"{run_id}/p{i}", task="reverse",
                    prompt_text="abcd=", prompt_ids=ids, reference="dcba")
         value, headers = p.encode()
         while True:
             try:
-                producer.produce(topics.PROMPTS, value, make_key(0, p.group_id).encode(), headers=headers)
+                producer.produce(prompts, value, make_key(0, p.group_id).encode(), headers=headers)
                 break
             except BufferError:
                 producer.poll(0.1)
@@ -77,6 +78,7 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: in
     from dora_rl.config import DoraConfig
     from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.snapshots import latest_snapshot
+    from dora_rl.launcher import prepare_topics
     from dora_rl.streams.kafka_runtime import KafkaDriver
     from dora_rl.streams.orchestrator import Orchestrator, input_types
 
@@ -85,7 +87,8 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: in
                                    "engine": "emulated"})
     run_id = f"snapbench-{n}-{uuid.uuid4().hex[:6]}"
     types = input_types(config)
-    start = topic_ends(bootstrap, [*types, topics.STATE])
+    prepare_topics(bootstrap, 4, run_id=run_id)  # the run's own topics (decision 0063)
+    start = topic_ends(bootstrap, [topics.in_run(run_id, t) for t in (*types, topics.STATE)])
     write_s = write_prompts(bootstrap, run_id, n)
 
     class Unheld(Orchestrator):
@@ -97,7 +100,8 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: in
     deadline = time.monotonic() + seconds
     driver.run(stop=lambda: time.monotonic() > deadline)
     queued = driver.proc.rules.queued_prompts()  # type: ignore[attr-defined]
-    snap = latest_snapshot(bootstrap, run_id, "orchestrator", since=start.get((topics.STATE, 0), 0))
+    state_start = start.get((topics.in_run(run_id, topics.STATE), 0), 0)
+    snap = latest_snapshot(bootstrap, run_id, "orchestrator", since=state_start)
     size = len(snap.state) if snap is not None else 0
     restarts, restored = [], 0
     for _ in range(repeats):

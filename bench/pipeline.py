@@ -97,10 +97,11 @@ class Observer(threading.Thread):
         from dora_rl.infra.kafka.io import reader_config
 
         super().__init__(daemon=True)
-        self.run_id, self.groups, self.group, self.plan, self.batches = run_id, groups, group, plan, topics.BATCHES
+        self.run_id, self.groups, self.group, self.plan = run_id, groups, group, plan
+        self.batches = topics.in_run(run_id, topics.BATCHES)
         self.consumer = Consumer(reader_config(bootstrap, f"bench-observer-{run_id}"))
         self.consumer.assign([TopicPartition(t, p, o) for (t, p), o in start.items()
-                              if t in (topics.SCORED, topics.BATCHES)])
+                              if t in (topics.in_run(run_id, topics.SCORED), self.batches)])
         self.per_group: dict[str, int] = {}
         self.left: dict[int, int] = {}
         self.scored_t: dict[int, float] = {}
@@ -182,9 +183,9 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     """One run: roles started, warm-up, ``args.steps`` measured steps at ``rate``, roles stopped, batches checked."""
     from dora_rl.config import DoraConfig
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import RecordProducer, read_all
+    from dora_rl.infra.kafka.io import RecordProducer
     from dora_rl.infra.kafka.keys import make_key
-    from dora_rl.infra.kafka.runs import offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import offsets_map, read_run
     from dora_rl.infra.kafka.signing import signed
     from dora_rl.launcher import create
     from dora_rl.schemas.records import BatchPlan, TrainBatch
@@ -204,8 +205,8 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     def plan(ks: list[int]) -> None:  # as the orchestrator's commit: plans in one transaction
         planner.raw.begin_transaction()
         for k in ks:
-            planner.send(topics.SCHEDULE, signed(BatchPlan(run_id=run, train_step=k, trajectory_ids=tuple(ids[k]),
-                                                           ts_ms=int(time.time() * 1000)), token), make_key(k, "plan"))
+            plan_k = BatchPlan(run_id=run, train_step=k, trajectory_ids=tuple(ids[k]), ts_ms=int(time.time() * 1000))
+            planner.send(topics.in_run(run, topics.SCHEDULE), signed(plan_k, token), make_key(k, "plan"))
         planner.raw.commit_transaction(30)
 
     obs = Observer(bootstrap, run, start, groups, args.group, plan if plans == "scored" else None)
@@ -215,6 +216,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
     if plans == "ahead":
         plan(list(range(total)))
     producer = RecordProducer(bootstrap, f"bench-rollout-{run}")  # the rollout instances' producer settings
+    trajectories = topics.in_run(run, topics.TRAJECTORIES)
     acks: dict[tuple[int, int], float] = {}
     failed: list[str] = []
 
@@ -225,7 +227,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
                 failed.append(str(err))
         while True:
             try:
-                producer.raw.produce(topics.TRAJECTORIES, value=w[0], key=w[1], headers=w[2], partition=w[3],
+                producer.raw.produce(trajectories, value=w[0], key=w[1], headers=w[2], partition=w[3],
                                      on_delivery=done)
                 break
             except BufferError:
@@ -283,7 +285,7 @@ def phase(bootstrap: str, broker_pid: int | None, args: argparse.Namespace, rate
             "assembler": [obs.batch_t[k] - max(obs.scored_t.get(k, 0.0), obs.plan_t.get(k, 0.0)) for k in ks]}
     window = max(obs.batch_t[k] for k in ks) - min(acks[(args.warmup, i)] for i in range(args.tbs)) if ks else 0.0
     problems, got = failed[:3], {}
-    for msg in read_all(bootstrap, topics.BATCHES, topic_start(start, topics.BATCHES)):
+    for msg in read_run(bootstrap, info, topics.BATCHES):
         b = TrainBatch.decode(msg.value(), msg.headers())
         if b.run_id == run:
             if int(b.train_step) in got or any(t.reward is None for t in b.trajectories):

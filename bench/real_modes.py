@@ -119,16 +119,14 @@ def step_times(bootstrap: str, run_id: str,
     """``({step: reward}, {step: ts_ms of its update}, ts_ms of version 0)`` from the run's metrics; the
     ``PER_STEP`` metrics go into ``extra`` (``{name: {step: value}}``) when given."""
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import Metric
 
     info = get_run(bootstrap, run_id)
-    start = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.METRICS}
     rewards: dict[int, float] = {}
     ts: dict[int, int] = {}
     v0: int | None = None
-    for msg in read_all(bootstrap, topics.METRICS, start):
+    for msg in read_run(bootstrap, info, topics.METRICS):
         m = Metric.decode(msg.value(), msg.headers())
         if m.run_id != run_id or m.component != "trainer":
             continue

@@ -412,7 +412,7 @@ def cross_check_c1(rep: AuditReport, trained: dict[str, int], chunks: list[Token
 
 def _records(bootstrap: str, run_id: str, topic: str, cls: type[Record], start: dict[int, int]) -> list[Any]:
     out = []
-    for msg in read_all(bootstrap, topic, start):
+    for msg in read_all(bootstrap, topics.in_run(run_id, topic), start):
         try:
             rec = cls.decode(msg.value(), msg.headers())
         except DecodeError:
@@ -430,7 +430,7 @@ def audit_run(bootstrap: str, run_id: str | None = None, token: str = "", scorer
     config = DoraConfig.from_json(info.config_json)
 
     def start(topic: str) -> dict[int, int]:
-        return {o.partition: o.offset for o in info.start_offsets if o.topic == topic}
+        return {o.partition: o.offset for o in info.start_offsets if o.topic == topics.in_run(info.run_id, topic)}
 
     reqs = _records(bootstrap, info.run_id, topics.REQUESTS, RolloutRequest, start(topics.REQUESTS))
     trajs = _records(bootstrap, info.run_id, topics.TRAJECTORIES, Trajectory, start(topics.TRAJECTORIES))

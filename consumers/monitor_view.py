@@ -94,12 +94,20 @@ class LagRow:
     lag: int
 
 
+def _catalogue_name(run_id: str, topic: str) -> str:
+    try:
+        return topics.catalogue_name(run_id, topic)
+    except ValueError:  # not a topic of this run: shown as it is
+        return topic
+
+
 def lag_by_role(rows: tuple[PartitionLag, ...], run_id: str) -> tuple[LagRow, ...]:
-    """``rows`` summed per (role, topic); the role is the group id without its ``dora.<run>.`` prefix."""
+    """``rows`` summed per (role, topic); the role is the group id without its ``dora.<run>.`` prefix, the topic
+    its catalogue name (the run's topics are ``dora.<run>.<name>``)."""
     sums: dict[tuple[str, str], list[int]] = {}
     for r in rows:
         role = r.group.removeprefix(f"dora.{run_id}.")
-        acc = sums.setdefault((role, r.topic), [0, 0])
+        acc = sums.setdefault((role, _catalogue_name(run_id, r.topic)), [0, 0])
         acc[0] += 1
         acc[1] += r.lag
     return tuple(LagRow(role, topic, n, lag) for (role, topic), (n, lag) in sorted(sums.items()))

@@ -7,7 +7,7 @@
     dora-rl topics create|list|doc [--check]                        the topic catalogue (doc: generated docs)
     dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index [auto],
                                                                     --bind-host, --advertised-host)
-    dora-rl runs                                                    runs recorded on the cluster
+    dora-rl runs [--delete RUN_ID]                                  runs recorded on the cluster; delete one's topics
     dora-rl monitor [--run ID] [--follow]                           a run's progress; --follow: live, in place
     dora-rl dashboard [--run ID] [--bind H] [--port P]              a run's web page (timeline, curves, lag)
     dora-rl replay [dump|retrain|rescore|refeed|export|archive]     re-run a recorded run (default: JSON lines)
@@ -135,6 +135,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
     from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.security import client_config
+    from dora_rl.infra.kafka.topic_admin import ensure_topics
 
     if args.action == "doc":  # docs/topics.md + README table from the catalogue; needs no broker
         from dora_rl.infra.kafka.topic_docs import sync_docs
@@ -142,7 +143,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
         return sync_docs(check=args.check)
     if args.action == "create":  # `list` prints the catalogue and needs no broker
         bootstrap = _bootstrap(args, start=True)
-        result = topics.ensure_topics(AdminClient(client_config(bootstrap)), args.partitions)
+        result = ensure_topics(AdminClient(client_config(bootstrap)), args.partitions)
         for name, state in result.items():
             print(f"{name:32s} {state}")
     else:
@@ -179,10 +180,28 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from dora_rl.infra.kafka.runs import list_runs
+    from confluent_kafka.admin import AdminClient
 
-    for run_id, info in list_runs(_bootstrap(args)).items():
-        print(f"{run_id}  {info.state:9s} mode={info.mode}")
+    from dora_rl.infra.kafka.runs import get_run, list_runs
+    from dora_rl.infra.kafka.security import client_config
+    from dora_rl.infra.kafka.topic_admin import delete_run_topics, run_topic_names
+
+    bootstrap = _bootstrap(args)
+    admin = AdminClient(client_config(bootstrap))
+    if args.delete:
+        info = get_run(bootstrap, args.delete)
+        if info.state == "STARTED":
+            print(f"run {info.run_id} is not over (STARTED): stop it first (its launcher's Ctrl-C), or finish it "
+                  f"with `dora-rl resume {info.run_id}`", file=sys.stderr)
+            return 2
+        deleted = delete_run_topics(admin, info.run_id)
+        print(f"run {info.run_id}: deleted {len(deleted)} topics (its record on dora.runs stays)")
+        return 0
+    runs = list_runs(bootstrap)  # first: a refused credential fails here at once, naming its code
+    existing = set(admin.list_topics(timeout=30).topics)
+    for run_id, info in runs.items():
+        kept = "" if set(run_topic_names(run_id)) <= existing else "  topics deleted"
+        print(f"{run_id}  {info.state:9s} mode={info.mode}{kept}")
     return 0
 
 
@@ -300,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address announced to peers (env DORA_ADVERTISED_HOST; default: the bind host)")
         p.set_defaults(func=cmd_role)
 
-    p = sub.add_parser("runs", parents=[common], help="list runs")
+    p = sub.add_parser("runs", parents=[common], help="list runs (or delete a finished run's topics)")
+    p.add_argument("--delete", metavar="RUN_ID", default=None,
+                   help="delete the topics of this run, once it is over (decision 0063)")
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("monitor", parents=[common], help="a run's metrics, live")

@@ -94,11 +94,15 @@ SINGLE_USER_NOTE = (
 """Said by ``dora-rl run`` whenever it uses the embedded broker without security (issue 32)."""
 
 
-def prepare_topics(bootstrap: str, num_partitions: int, instances: int = topics.MAX_INSTANCES) -> dict[str, str]:
-    """Create the catalogue's topics, the request topic with ``instances`` partitions (idempotent)."""
+def prepare_topics(bootstrap: str, num_partitions: int, instances: int = topics.MAX_INSTANCES,
+                   run_id: str | None = None) -> dict[str, str]:
+    """Create the shared topics and, with ``run_id``, that run's (its request topic with ``instances``
+    partitions); idempotent."""
     from dora_rl.infra.kafka.security import client_config
+    from dora_rl.infra.kafka.topic_admin import ensure_topics
 
-    return topics.ensure_topics(AdminClient(client_config(bootstrap)), num_partitions, instances=instances)
+    return ensure_topics(AdminClient(client_config(bootstrap)), num_partitions, instances=instances,
+                                run_id=run_id)
 
 
 @dataclass
@@ -203,12 +207,12 @@ def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tup
     (config and start offsets: what every role on any host joins from), and the weight-channel token
     in ``<run dir>/weight-token`` and the trainer's and scorer's keys beside it (mode 0600; never on a topic).
     Returns the run and the token file."""
-    prepare_topics(bootstrap, config.num_partitions, config.instance_limit)
+    prepare_topics(bootstrap, config.num_partitions, config.instance_limit)  # dora.runs; the run's: start_run
     config = with_vocab_size(config)
     if run_id is not None and run_id in list_runs(bootstrap):  # before its directory's secrets are touched
         raise RunExists(f"run {run_id!r} exists on this cluster: choose another id, or continue it with "
                         f"`dora-rl resume {run_id}`")
-    rdir = run_dir(run_id or new_run_id())
+    rdir = run_dir(topics.check_run_id(run_id or new_run_id()))
     token_file = weight_token_file(rdir)  # first: the run record is signed with it
     trainer_key_file(rdir), scorer_key_file(rdir)
     info = start_run(bootstrap, config, rdir.name, token_file.read_text().strip())

@@ -183,7 +183,7 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
         from dora_rl.producers.dataset import produce_prompts
 
         tok = load_tokenizer(resolve_model(config.model, config.seed))  # the prompts' token ids: no weights
-        prompts_start = topic_start(start, topics.PROMPTS)
+        prompts_start = topic_start(start, topics.in_run(info.run_id, topics.PROMPTS))
         n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), tok, prompts_start, token)
         log.info("wrote %d prompts", n)
     else:

@@ -10,7 +10,7 @@ prints, every ``--every`` seconds, one line per version: ``v<version> n=<traject
 
 Invariants: the table is keyed by ``trajectory_id``, so a trajectory scored twice (an instance restarted and
 generated it again; Faust's at-least-once redelivery) counts once, with its first reward, as DORA's assembler
-keeps the first copy. Records of other runs (the topics are shared) and records that do not decode are passed
+keeps the first copy. Records of other runs (none, on the run's own topic) and records that do not decode are passed
 by (DORA's own readers dead-letter the latter). The app's consumer group is its own (``--app-id``): it moves
 no offset of the run's roles. Plain-text Kafka only (Faust's SASL/SSL settings: ``broker_credentials``).
 """
@@ -28,7 +28,6 @@ from typing import Any
 import fastavro
 import faust
 
-SCORED = "dora.rollout.scored"
 TRAJECTORY = "dora.v1.Trajectory"
 
 
@@ -64,7 +63,8 @@ def build_app(bootstrap: str, run_id: str, schemas: Path, partitions: int, app_i
     app = faust.App(app_id or f"dora-reward-by-version-{run_id}", broker=f"kafka://{bootstrap}", store="memory://",
                     topic_partitions=partitions, web_enabled=False, consumer_auto_offset_reset="earliest")
     schema = trajectory_schema(schemas)
-    scored = app.topic(SCORED, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    scored = app.topic(f"dora.{run_id}.rollout.scored",  # the run's own topic
+                       key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     table = app.Table("rewards", default=None, partitions=partitions)
 
     @app.agent(scored)

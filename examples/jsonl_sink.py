@@ -37,7 +37,11 @@ from typing import Any
 import fastavro
 from confluent_kafka import Consumer, TopicPartition
 
-SCORED, RUNS = "dora.rollout.scored", "dora.runs"
+RUNS = "dora.runs"
+def run_topic(run_id: str, name: str) -> str:
+    """The topic holding ``dora.<name>`` for run ``run_id``: every run has its own, ``dora.<run_id>.<name>``."""
+    return f"dora.{run_id}.{name}"
+
 PACKED = {"prompt_ids": "i", "response_ids": "i", "behaviour_logprobs": "f", "token_versions": "q"}
 
 
@@ -127,18 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     schemas = Path(args.schemas)
     trajectory, run_info = load_schema(schemas, "trajectory.avsc"), load_schema(schemas, "run_info.avsc")
     info = run_record(base, run_info, args.run_id)
-    start = {o["partition"]: o["offset"] for o in info["start_offsets"] if o["topic"] == SCORED}
+    scored = run_topic(args.run_id, "rollout.scored")
+    start = {o["partition"]: o["offset"] for o in info["start_offsets"] if o["topic"] == scored}
     out_dir = Path(args.out) / args.run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     consumer = Consumer({**base, "group.id": "dora-reader-jsonl-sink", "enable.auto.commit": False,
                          "isolation.level": "read_committed", "enable.partition.eof": True})
     runs = Consumer({**base, "group.id": "dora-reader-jsonl-sink", "enable.auto.commit": False})
-    parts = sorted(consumer.list_topics(SCORED, timeout=15).topics[SCORED].partitions)
+    parts = sorted(consumer.list_topics(scored, timeout=15).topics[scored].partitions)
     files, assignment = {}, []
     for part in parts:
         path = out_dir / f"part-{part}.jsonl"
         offset = resume_offset(path)
-        assignment.append(TopicPartition(SCORED, part, start.get(part, 0) if offset is None else offset))
+        assignment.append(TopicPartition(scored, part, start.get(part, 0) if offset is None else offset))
         files[part] = path.open("a")
     consumer.assign(assignment)
     runs.assign([TopicPartition(RUNS, 0, runs.get_watermark_offsets(TopicPartition(RUNS, 0), timeout=15)[1])])

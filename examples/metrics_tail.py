@@ -29,7 +29,11 @@ from typing import Any
 import fastavro
 from confluent_kafka import Consumer, TopicPartition
 
-METRICS, RUNS = "dora.metrics", "dora.runs"
+RUNS = "dora.runs"
+def run_topic(run_id: str, name: str) -> str:
+    """The topic holding ``dora.<name>`` for run ``run_id``: every run has its own, ``dora.<run_id>.<name>``."""
+    return f"dora.{run_id}.{name}"
+
 
 
 def security_config(env: Any = os.environ) -> dict[str, Any]:
@@ -100,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                         for f in ("metric.avsc", "run_info.avsc"))
     runs = Consumer(base)
     info = run_record(runs, run_info, args.run_id)
+    metrics = run_topic(args.run_id, "metrics")
     runs.assign([TopicPartition(RUNS, 0, runs.get_watermark_offsets(TopicPartition(RUNS, 0), timeout=15)[1])])
     consumer = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
-    start = {o["partition"]: o["offset"] for o in info["start_offsets"] if o["topic"] == METRICS}
-    parts = sorted(consumer.list_topics(METRICS, timeout=15).topics[METRICS].partitions)
-    consumer.assign([TopicPartition(METRICS, q, consumer.get_watermark_offsets(TopicPartition(METRICS, q))[1]
+    start = {o["partition"]: o["offset"] for o in info["start_offsets"] if o["topic"] == metrics}
+    parts = sorted(consumer.list_topics(metrics, timeout=15).topics[metrics].partitions)
+    consumer.assign([TopicPartition(metrics, q, consumer.get_watermark_offsets(TopicPartition(metrics, q))[1]
                                     if args.from_end else start.get(q, 0)) for q in parts])
     over = args.no_follow or info["state"] != "STARTED"
     at_end: set[int] = set()

@@ -55,8 +55,9 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 log = logging.getLogger("reward_service")
-TRAJECTORIES, SCORED, DLQ, METRICS, RUNS = ("dora.rollout.trajectories", "dora.rollout.scored", "dora.dlq",
-                                            "dora.metrics", "dora.runs")
+RUNS = "dora.runs"
+TRAJECTORIES, SCORED, DLQ, METRICS = "rollout.trajectories", "rollout.scored", "dlq", "metrics"
+"""Names of the run's own topics: every run has its own, ``dora.<run_id>.<name>`` (:meth:`RewardService.topic`)."""
 SCHEMA_FILES = {"Trajectory": "trajectory.avsc", "DeadLetter": "dead_letter.avsc", "Metric": "metric.avsc",
                 "RunInfo": "run_info.avsc"}
 COMPONENT = "reward-service"
@@ -337,12 +338,16 @@ class RewardService:
                                   "isolation.level": "read_committed", "session.timeout.ms": 10000,
                                   "max.poll.interval.ms": 600000, "fetch.max.bytes": 64 << 20,
                                   "max.partition.fetch.bytes": 64 << 20})
-        self.consumer.subscribe([TRAJECTORIES], on_assign=self._on_assign)
+        self.consumer.subscribe([self.topic(TRAJECTORIES)], on_assign=self._on_assign)
         self.runs = Consumer({**base, "group.id": "dora-reader-reward-service", "enable.auto.commit": False})
         self.runs.assign([TopicPartition(RUNS, 0, runs_end)])
         self.worker = RewardWorker(args.reward_fn, args.timeout_s)
         self.scored = self.refused = 0
         self.stopping = self.info["state"] != "STARTED"  # a run already over needs no scorer
+
+    def topic(self, name: str) -> str:
+        """The run's own topic ``dora.<run_id>.<name>``."""
+        return f"dora.{self.args.run_id}.{name}"
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Resume from the group's committed offsets, else from where the run began."""
@@ -363,13 +368,13 @@ class RewardService:
 
     def _letter(self, msg: Any, reason: str, error_type: str, traj: dict[str, Any] | None, tries: int) -> Any:
         letter = {"run_id": traj["run_id"] if traj else self.args.run_id, "component": COMPONENT,
-                  "reason": reason[:2000], "error_type": error_type, "source_topic": msg.topic(),
+                  "reason": reason[:2000], "error_type": error_type, "source_topic": f"dora.{TRAJECTORIES}",
                   "source_partition": msg.partition(), "source_offset": msg.offset(), "key": msg.key(),
                   "value": msg.value(), "ts_ms": int(time.time() * 1000), "attempts": tries,
                   "group_id": traj["group_id"] if traj else None,
                   "trajectory_id": traj["trajectory_id"] if traj else None}
         key = msg.key() or f"{msg.topic()}/{msg.partition()}/{msg.offset()}".encode()
-        return (DLQ, key, *self.wire.encode("DeadLetter", letter, self.token), None)
+        return (self.topic(DLQ), key, *self.wire.encode("DeadLetter", letter, self.token), None)
 
     def _generated_by_the_run(self, traj: dict[str, Any]) -> bool:
         """The trajectory carries the signature of an instance of the run (its weight token)."""
@@ -406,7 +411,7 @@ class RewardService:
             if isinstance(outcome, float):
                 traj.update(reward=outcome, scored_ms=int(time.time() * 1000))
                 key = f"v{int(traj['policy_version']):010d}/{traj['group_id']}".encode()
-                outs.append((SCORED, key, *self.wire.encode("Trajectory", traj, self.scorer_key),
+                outs.append((self.topic(SCORED), key, *self.wire.encode("Trajectory", traj, self.scorer_key),
                              partition_for(traj["group_id"], self.num_partitions)))
                 self.scored += 1
             else:
@@ -419,7 +424,8 @@ class RewardService:
                             ("score_s", time.monotonic() - t0)):
             metric = {"run_id": self.args.run_id, "component": COMPONENT, "name": name, "value": float(value),
                       "ts_ms": int(time.time() * 1000)}
-            outs.append((METRICS, f"{COMPONENT}/{name}".encode(), *self.wire.encode("Metric", metric), None))
+            outs.append((self.topic(METRICS), f"{COMPONENT}/{name}".encode(), *self.wire.encode("Metric", metric),
+                         None))
         return outs, rewind
 
     def _commit(self, outs: list[Any], rewind: dict[tuple[str, int], int]) -> None:

@@ -44,7 +44,7 @@ def generate_prompts(run_id: str, config: DoraConfig, count: int, tokenizer: obj
 def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
     """How many prompts of ``run_id`` are committed (their ids are the prefix ``p0 .. p<k-1>``)."""
     k = 0
-    for msg in read_all(bootstrap, topics.PROMPTS, start):
+    for msg in read_all(bootstrap, topics.in_run(run_id, topics.PROMPTS), start):
         try:
             prompt = Prompt.decode(msg.value(), msg.headers())
         except DecodeError:
@@ -69,13 +69,14 @@ def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int,
         if i < have:
             continue  # written by a predecessor
         try:
-            producer.send(topics.PROMPTS, prompt, make_key(None, prompt.group_id), partition=0)  # dataset order
+            producer.send(topics.in_run(run_id, topics.PROMPTS), prompt, make_key(None, prompt.group_id),
+                          partition=0)  # dataset order
         except RecordTooLarge as exc:  # refused with the reason, in the same transaction; never dispatched
             letter = signed(DeadLetter(component="dataset", reason=f"oversize prompt: {exc}", error_type="oversize",
                                 source_topic=topics.PROMPTS, source_partition=0, source_offset=-1, ts_ms=now_ms(),
                                 run_id=run_id, key=make_key(None, prompt.group_id).encode(),
                                 group_id=prompt.group_id), token)
-            producer.send(topics.DLQ, letter, make_key(None, prompt.group_id))
+            producer.send(topics.in_run(run_id, topics.DLQ), letter, make_key(None, prompt.group_id))
             continue
         n += 1
     producer.raw.commit_transaction(120)

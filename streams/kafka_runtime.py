@@ -73,9 +73,9 @@ dataset behind them: the restart grew with it (0.39 s at 10k prompts, 2.05 s at 
 class RefFetcher:
     """Random-access reads of records by (topic, partition, offset), grouped per partition."""
 
-    def __init__(self, bootstrap: str, record_types: Mapping[str, type[Record]]) -> None:
-        self.bootstrap = bootstrap
-        self.record_types = dict(record_types)
+    def __init__(self, bootstrap: str, run_id: str, record_types: Mapping[str, type[Record]]) -> None:
+        self.bootstrap, self.run_id = bootstrap, run_id
+        self.record_types = dict(record_types)  # by catalogue name, as the processor's references name them
 
     def fetch_many(self, refs: Iterable[Ref], timeout: float = 30.0) -> dict[Ref, Any]:
         wanted: dict[tuple[str, int], set[int]] = {}
@@ -87,7 +87,7 @@ class RefFetcher:
         consumer = Consumer({**reader_config(self.bootstrap, f"dora-ref-reader-{now_ms()}"), **REF_READS})
         try:
             for (topic, partition), offsets in wanted.items():
-                tp = TopicPartition(topic, partition)
+                tp = TopicPartition(topics.in_run(self.run_id, topic), partition)
                 for msg in read_range(consumer, tp, min(offsets), max(offsets) + 1, timeout):
                     if msg.offset() in offsets:
                         ref = Ref(topic, partition, msg.offset() or 0)
@@ -109,8 +109,9 @@ class KafkaDriver:
                  token: str = "") -> None:
         self.bootstrap, self.run_id, self.proc = bootstrap, run_id, processor
         self.token = token  # signs the snapshots; only signed ones are restored (decision 0054)
-        self.record_types = dict(record_types)
-        self.start_offsets = dict(start_offsets)
+        self.record_types = dict(record_types)  # by catalogue name: what the processor sees and emits
+        self.topic_of = {topics.in_run(run_id, t): t for t in self.record_types}  # the run's topic -> catalogue
+        self.start_offsets = dict(start_offsets)  # by the run's topic names (Kafka's positions)
         self.commit_interval_s = commit_interval_s
         self.linger_s, self.max_records = linger_s, max_records
         name = processor.name
@@ -121,7 +122,7 @@ class KafkaDriver:
         self.lag = LagProbe(f"dora.{run_id}.{name}")  # recorded after each poll; read by the metrics endpoint
         prom.watch_consumer(self.consumer, self.lag, bootstrap)
         self.assigned: list[TopicPartition] = []  # set by start()
-        self.fetcher = RefFetcher(bootstrap, self.record_types)
+        self.fetcher = RefFetcher(bootstrap, run_id, self.record_types)
         self._cache: dict[Ref, Any] = {}
         self.ctx = Context(self._fetch_many, time.time)
         self.commits = 0
@@ -137,7 +138,8 @@ class KafkaDriver:
         """Restore the processor from its latest snapshot (if any) and assign every input partition."""
         t0 = time.perf_counter()
         snap = latest_snapshot(self.bootstrap, self.run_id, self.proc.name,
-                               since=self.start_offsets.get((topics.STATE, 0), 0), token=self.token)
+                               since=self.start_offsets.get((topics.in_run(self.run_id, topics.STATE), 0), 0),
+                               token=self.token)
         start = dict(self.start_offsets)
         if snap is not None:
             self.proc.restore(snap.state, self.ctx)
@@ -146,7 +148,7 @@ class KafkaDriver:
             start.update(((p.topic, p.partition), int(p.offset)) for p in snap.positions)
         self.proc.init(self.ctx)
         self._cache.clear()
-        missing = resume_all_partitions(self.consumer, self.record_types, start,
+        missing = resume_all_partitions(self.consumer, self.topic_of, start,
                                         f"{self.proc.name}: inputs and committed offsets")
         self.assigned = list(self.consumer.assignment())
         if snap is None and len(missing) < len(self.consumer.assignment()):
@@ -175,7 +177,7 @@ class KafkaDriver:
             if not is_record(msg):
                 continue
             n += 1
-            topic = msg.topic() or ""
+            topic = self.topic_of[msg.topic() or ""]
             try:
                 record = self.record_types[topic].decode(msg.value(), msg.headers(), keep_wire=True)
             except DecodeError as exc:  # refused in the next commit's transaction, with its position
@@ -196,8 +198,8 @@ class KafkaDriver:
         if held == self._held:
             return
         parts = self.consumer.assignment()
-        pause = [tp for tp in parts if tp.topic in held and tp.topic not in self._held]
-        resume = [tp for tp in parts if tp.topic in self._held and tp.topic not in held]
+        pause = [tp for tp in parts if self.topic_of[tp.topic] in held and self.topic_of[tp.topic] not in self._held]
+        resume = [tp for tp in parts if self.topic_of[tp.topic] in self._held and self.topic_of[tp.topic] not in held]
         if pause:
             self.consumer.pause(pause)
         if resume:
@@ -211,7 +213,7 @@ class KafkaDriver:
         self.producer.raw.begin_transaction()
         try:
             for o in outs:
-                self.producer.send(o.topic, o.record, o.key, partition=o.partition)
+                self.producer.send(topics.in_run(self.run_id, o.topic), o.record, o.key, partition=o.partition)
             self.commits += 1
             positions = [tp for tp in self.consumer.position(self.consumer.assignment()) if tp.offset >= 0]
             send_snapshot(self.producer, self.run_id, self.proc.name, self.commits, self.proc.snapshot(),

@@ -42,7 +42,7 @@ def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.infra.broker.server import LocalBroker
-    from dora_rl.infra.kafka.topics import ensure_topics
+    from dora_rl.infra.kafka.topic_admin import ensure_topics
 
     given = os.environ.get("DORA_TEST_BOOTSTRAP")
     broker = None

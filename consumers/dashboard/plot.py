@@ -104,9 +104,10 @@ def plot_summary(bootstrap: str, summary: Mapping[str, Any], run_dir: Path, json
 
         run_id = str(summary["run_id"])
         info = get_run(bootstrap, run_id)
-        start = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.METRICS}
+        metrics_topic = topics.in_run(info.run_id, topics.METRICS)
+        start = {o.partition: o.offset for o in info.start_offsets if o.topic == metrics_topic}
         records = []
-        for msg in read_all(bootstrap, topics.METRICS, start):
+        for msg in read_all(bootstrap, metrics_topic, start):
             try:
                 records.append(Metric.decode(msg.value(), msg.headers()))
             except DecodeError:

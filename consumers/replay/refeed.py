@@ -161,13 +161,13 @@ def new_token(rdir: Path) -> str:
 
 
 def write_batches(bootstrap: str, run_id: str, batches: Sequence[TrainBatch]) -> None:
-    """Every batch to ``dora.train.batches`` in one transaction (key ``v<step:010d>/step<step>``)."""
+    """Every batch to the run's ``dora.train.batches`` in one transaction (key ``v<step:010d>/step<step>``)."""
     producer = RecordProducer(bootstrap, f"replay-refeed-{run_id}", **{"transactional.id": f"dora.{run_id}.refeed"})
     producer.init_transactions(60)
     producer.raw.begin_transaction()
     try:
         for b in batches:
-            producer.send(topics.BATCHES, b, make_key(int(b.train_step), f"step{b.train_step}"))
+            producer.send(topics.in_run(run_id, topics.BATCHES), b, make_key(int(b.train_step), f"step{b.train_step}"))
     except BaseException:
         producer.raw.abort_transaction(30)
         raise

@@ -119,9 +119,13 @@ class KafkaSource:
     def run_info(self) -> RunInfo:
         return self._info
 
+    def _topic(self, topic: str) -> str:
+        """The run's own topic of catalogue topic ``topic`` (decision 0063)."""
+        return topics.in_run(self._info.run_id, topic)
+
     def start(self, topic: str) -> dict[int, int]:
-        """The run's start offset of every partition of ``topic``."""
-        return {o.partition: o.offset for o in self._info.start_offsets if o.topic == topic}
+        """The run's start offset of every partition of (catalogue) ``topic``."""
+        return {o.partition: o.offset for o in self._info.start_offsets if o.topic == self._topic(topic)}
 
     def check_retention(self, topic: str) -> None:
         """Raise :class:`RetentionDeleted` when retention deleted records of this run in ``topic``."""
@@ -130,8 +134,8 @@ class KafkaSource:
             return
         consumer = Consumer(reader_config(self.bootstrap, f"dora-replay-{now_ms()}"))
         try:
-            metadata(consumer, topic)
-            low = {p: watermarks(consumer, TopicPartition(topic, p))[0] for p in start}
+            metadata(consumer, self._topic(topic))
+            low = {p: watermarks(consumer, TopicPartition(self._topic(topic), p))[0] for p in start}
         finally:
             consumer.close()
         losses = retention_losses(topic, start, low)
@@ -146,7 +150,7 @@ class KafkaSource:
         self.check_retention(topic)
         msgs = (RawRecord(topic, int(m.partition() or 0), int(m.offset() or 0), m.key(), m.value(),
                           _headers(m.headers()), int(m.timestamp()[1]))
-                for m in read_all(self.bootstrap, topic, self.start(topic)))
+                for m in read_all(self.bootstrap, self._topic(topic), self.start(topic)))
         return by_version(msgs, version)
 
     def checkpoints_dir(self) -> Path:

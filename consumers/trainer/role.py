@@ -87,7 +87,8 @@ def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, in
     0, so that is an error (a forgery, or a run created before announcements were signed)."""
     found: dict[int, PolicyVersion] = {}
     unsigned = 0
-    for window in read_backwards(bootstrap, topics.VERSIONS, 0, stop_at=start.get((topics.VERSIONS, 0), 0)):
+    versions = topics.in_run(run_id, topics.VERSIONS)
+    for window in read_backwards(bootstrap, versions, 0, stop_at=start.get((versions, 0), 0)):
         for msg in window:
             try:
                 ann = PolicyVersion.decode(msg.value(), msg.headers())
@@ -102,7 +103,7 @@ def trainer_announcements(bootstrap: str, run_id: str, start: dict[tuple[str, in
         if found and min(found) <= max(0, max(found) - depth):
             break
     if unsigned and not found:
-        raise RuntimeError(f"run {run_id}: {unsigned} trainer announcements on {topics.VERSIONS}, none signed with "
+        raise RuntimeError(f"run {run_id}: {unsigned} trainer announcements on {versions}, none signed with "
                            "this run's weight token (forged, or written before announcements were signed: "
                            "docs/decisions/0054); refusing to start over at version 0")
     if unsigned:
@@ -162,13 +163,14 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
         if version % config.checkpoint_every == 0 or version == config.steps:
             checkpoint.save_replayable(run_dir / "checkpoints", version, model, tok, optimizer, lr_schedule, version)
 
+    versions_topic = topics.in_run(run_id, topics.VERSIONS)
     announced = trainer_announcements(bootstrap, run_id, start_offsets, config.max_staleness, token or "")
     if announced:
         again = session.restore(announced)
         step = session.step
         with transaction():  # every live version served again by this incarnation
             for ann in again:  # as a holder: only the trainer's first announcement of a version is on VERSIONS
-                producer.send(topics.HOLDERS, ann, make_key(ann.version, "policy"))
+                producer.send(topics.in_run(run_id, topics.HOLDERS), ann, make_key(ann.version, "policy"))
             metrics.emit("restored", step, version=step)
         log.info("restored at version %d from %s", step, announced[step].checkpoint_uri)
     else:
@@ -184,7 +186,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
             for name, value in warmup.items():
                 metrics.emit(name, value)
             first = session.announce(0, {})
-            producer.send(topics.VERSIONS, first, make_key(0, "policy"))
+            producer.send(versions_topic, first, make_key(0, "policy"))
             metrics.emit("version_published", 0, version=0)
         keep_for_replay(0)
         evaluate_if_due(0)
@@ -234,7 +236,7 @@ def run_trainer(bootstrap: str, run_id: str, config: DoraConfig, start_offsets: 
                 step_s = time.perf_counter() - t0
                 busy_s += step_s
                 with transaction():  # the version, its metrics and the consumed batch: all or nothing
-                    producer.send(topics.VERSIONS, trained.announcement, make_key(step + 1, "policy"))
+                    producer.send(versions_topic, trained.announcement, make_key(step + 1, "policy"))
                     for name in ("reward_mean", "loss", "trained_tokens", "clip_frac", "approx_kl",
                                  "staleness_max", "response_len_mean", "tis_weight_mean", "logprob_diff_mean",
                                  "logprob_diff_max", "update_tokens_per_s", "mfu", "micro_tokens", "mixed_version"):

@@ -81,24 +81,32 @@ class Grant:
 
 
 def role_grants(role: str, run_id: str | None = None) -> tuple[Grant, ...]:
-    """The ACLs a DORA *role* needs (see :data:`ROLES`), derived from the topic catalogue; with *run_id*, for
-    that run and role only: its consumer groups and transactional ids are ``dora.<run_id>.<component>*``
-    (:func:`own_components`), so the principal can neither commit offsets for, nor fence, another run's roles
-    or another role of its own run (readers' group ids ``dora-*`` never commit).
+    """The ACLs a DORA *role* needs (see :data:`ROLES`), derived from the topic catalogue.
 
-    Every principal: READ on groups ``dora*`` (its run's groups, the readers' ``dora-reader-*``, …) and READ
-    on topics ``dora.*`` (which implies DESCRIBE: metadata, offsets). Reads are not narrowed per topic: a
-    role reads several run-scoped topics (every role reads ``dora.runs``; an instance reads ``dora.instances``
-    to claim its index) and a prefix keeps the grant stable as the catalogue grows. Writes: WRITE on exactly the
-    topics whose catalogue ``writers`` name the role (one missing grant fails
-    that role with TOPIC_AUTHORIZATION_FAILED). Transactional roles: WRITE on transactional ids ``dora.*``.
-    Idempotence needs no IDEMPOTENT_WRITE since Kafka 3.0 (WRITE on a topic implies it).
+    With *run_id*: for that run and role only (decision 0063). Its topics, consumer groups and transactional
+    ids all live under ``dora.<run_id>.`` (:func:`topics.in_run`), so the principal reads only its run's topics
+    (READ, PREFIXED ``dora.<run_id>.``) and the run registry ``dora.runs``; it writes exactly the run's topics
+    whose catalogue ``writers`` name the role (WRITE, LITERAL); its groups and transactional ids are
+    ``dora.<run_id>.<component>*`` (:func:`own_components`), so it can neither commit offsets for, nor fence,
+    another run's roles or another role of its own run (readers' group ids ``dora-*`` never commit).
+
+    Without *run_id* (``launcher`` and ``operator`` only): READ on every ``dora.`` topic and group, and WRITE on
+    ``dora.runs``; the launcher, which makes and watches every run, also WRITE on the ``dora.`` prefix. An
+    operator's tool that writes into a run (the monitor's dead letters, ``replay refeed``) needs the operator
+    granted for that run too. A role of a run is always granted for its run. Idempotence needs no
+    IDEMPOTENT_WRITE since Kafka 3.0 (WRITE implies it).
     """
     if role not in ROLES:
         raise ValueError(f"unknown DORA role {role!r}; roles: {ROLES}")
+    if run_id is None and role not in ("launcher", "operator"):
+        raise ValueError(f"a {role} is granted for its run: pass run_id (decision 0063)")
     own = [TRANSACTIONAL_PREFIX] if run_id is None else [f"dora.{run_id}.{c}" for c in own_components(role)]
     groups = [GROUP_PREFIX] if run_id is None else [*own, "dora-"]
-    out = [Grant("TOPIC", TOPIC_PREFIX, "PREFIXED", "READ"), *(Grant("GROUP", g, "PREFIXED", "READ") for g in groups)]
+    reads = [Grant("TOPIC", TOPIC_PREFIX if run_id is None else f"dora.{topics.check_run_id(run_id)}.",
+                   "PREFIXED", "READ")]
+    if run_id is not None:  # and the run registry
+        reads += [Grant("TOPIC", name, "LITERAL", "READ") for name in sorted(topics.GLOBAL_TOPICS)]
+    out = [*reads, *(Grant("GROUP", g, "PREFIXED", "READ") for g in groups)]
     if role == "operator":
         writers = {"monitor", *OPERATOR_TOOLS}
         out.append(Grant("GROUP", "chaos-", "PREFIXED", "READ"))  # bench/chaos.py's watcher group
@@ -109,7 +117,12 @@ def role_grants(role: str, run_id: str | None = None) -> tuple[Grant, ...]:
     else:
         writers = {role}
     names = [s.name for s in topics.catalogue() if writers & set(s.writers)]
-    out += [Grant("TOPIC", name, "LITERAL", "WRITE") for name in dict.fromkeys(names)]
+    if run_id is None:
+        out += [Grant("TOPIC", name, "LITERAL", "WRITE") for name in names if name in topics.GLOBAL_TOPICS]
+        if role == "launcher":  # it makes every run, and watches each (its dead letters go to the run's dlq)
+            out.append(Grant("TOPIC", TOPIC_PREFIX, "PREFIXED", "WRITE"))
+    else:
+        out += [Grant("TOPIC", topics.in_run(run_id, name), "LITERAL", "WRITE") for name in dict.fromkeys(names)]
     if role in TRANSACTIONAL_ROLES:
         out += [Grant("TRANSACTIONAL_ID", t, "PREFIXED", "WRITE") for t in own]
     return tuple(out)

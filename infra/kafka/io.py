@@ -221,9 +221,14 @@ class Envelope:
 
 def dead_letter(msg: Message, component: str, run_id: str | None, reason: str, error_type: str,
                 value: bytes | None = None) -> DeadLetter:
-    """The dead letter of a refused message: the reason and the original bytes and position."""
+    """The dead letter of a refused message: the reason and the original bytes and position (the source topic by
+    its catalogue name: the letter is on the run's own ``dora.dlq``)."""
+    try:
+        source = topics.catalogue_name_of(msg.topic() or "")
+    except ValueError:
+        source = msg.topic() or ""
     return DeadLetter(component=component, reason=reason[:2000], error_type=error_type,
-                      source_topic=msg.topic() or "", source_partition=msg.partition() or 0,
+                      source_topic=source, source_partition=msg.partition() or 0,
                       source_offset=msg.offset() or 0, ts_ms=now_ms(), run_id=run_id, key=msg.key(),
                       value=msg.value() if value is None else value)
 
@@ -235,9 +240,9 @@ def letter_key(msg: Message) -> str:
 
 
 class DeadLetters:
-    """Writes refused records to ``dora.dlq`` and counts them."""
+    """Writes refused records to the run's ``dora.dlq`` and counts them."""
 
-    def __init__(self, producer: RecordProducer, component: str, run_id: str | None) -> None:
+    def __init__(self, producer: RecordProducer, component: str, run_id: str) -> None:
         self.producer = producer
         self.component = component
         self.run_id = run_id
@@ -254,7 +259,8 @@ class DeadLetters:
         else:
             letter = dead_letter(msg, self.component, self.run_id, reason, error_type, value)
             dlq_key = letter_key(msg)
-        self.producer.send_raw(topics.DLQ, letter.encode()[0], dlq_key.encode(), letter.encode()[1])
+        value, headers = letter.encode()
+        self.producer.send_raw(topics.in_run(self.run_id, topics.DLQ), value, dlq_key.encode(), headers)
         self.count += 1
         events.dead_lettered(self.component, error_type)
         log.warning("dead-lettered %s[%s]@%s from %s: %s", letter.source_topic, letter.source_partition,
@@ -283,7 +289,7 @@ class Metrics:
                                  ts_ms=now_ms(), step=step), token))
 
     def _send(self, m: Metric) -> None:
-        self.producer.send(topics.METRICS, m, f"{self.component}/{m.name}")
+        self.producer.send(topics.in_run(self.run_id, topics.METRICS), m, f"{self.component}/{m.name}")
 
 
 def is_record(msg: Message) -> bool:
@@ -352,8 +358,9 @@ def resume_all_partitions(consumer: Consumer, topics_: Iterable[str],
 class RunConsumer:
     """A consumer group of one component of one run, decoding records and dead-lettering bad ones.
 
-    ``record_types`` maps each subscribed topic to its record class. ``start_offsets`` maps
-    ``(topic, partition)`` to where the run begins; partitions without a committed offset start
+    ``record_types`` maps each subscribed catalogue topic to its record class (the consumer reads the run's own
+    topics, :func:`topics.in_run`; an :class:`Envelope` names the catalogue topic). ``start_offsets`` maps
+    ``(the run's topic, partition)`` to where the run begins; partitions without a committed offset start
     there (and at the beginning when absent).
 
     ``assign=True``: every partition of those topics is assigned directly, with no group membership (the group
@@ -368,6 +375,7 @@ class RunConsumer:
                  group_suffix: str = "", assign: bool = False, **extra: Any) -> None:
         self.run_id = run_id
         self.record_types = dict(record_types)
+        self.topic_of = {topics.in_run(run_id, t): t for t in self.record_types}  # the run's topic -> catalogue
         self.dead_letters = dead_letters
         self.start_offsets = dict(start_offsets or {})
         group = self._group = f"dora.{run_id}.{component}{group_suffix}"
@@ -375,11 +383,11 @@ class RunConsumer:
         self.assigned: list[TopicPartition] = []  # kept here: other threads never call the consumer (LagProbe)
         self._closing = False
         if assign:
-            resume_all_partitions(self._consumer, self.record_types, self.start_offsets,
+            resume_all_partitions(self._consumer, self.topic_of, self.start_offsets,
                                   f"consumer group {group}: partitions and committed offsets")
             self.assigned[:] = self._consumer.assignment()
         else:
-            self._consumer.subscribe(list(self.record_types), on_assign=self._on_assign)
+            self._consumer.subscribe(list(self.topic_of), on_assign=self._on_assign)
         self.lag = LagProbe(group)
         events.consumer_opened(self._consumer, self.lag, bootstrap)
         self.skipped_other_runs = 0
@@ -401,7 +409,7 @@ class RunConsumer:
         for msg in msgs:
             if not is_record(msg):
                 continue
-            topic = msg.topic() or ""
+            topic = self.topic_of[msg.topic() or ""]
             cls = self.record_types[topic]
             try:
                 record = cls.decode(msg.value(), msg.headers())

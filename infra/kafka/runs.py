@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import RecordProducer, metadata, now_ms, read_all, reader_config, watermarks
 from dora_rl.infra.kafka.security import client_config, security_errors_fatal
 from dora_rl.infra.kafka.signing import signature_problem, signed
+from dora_rl.infra.kafka.topic_admin import ensure_topics
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RunInfo, TopicOffset
 
@@ -28,15 +30,15 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
 
 
-def end_offsets(bootstrap: str, names: list[str] | None = None, timeout: float = 15.0) -> list[TopicOffset]:
-    """Current end (high watermark) offsets of every partition of ``names`` (default: all data topics)."""
+def end_offsets(bootstrap: str, run_id: str, timeout: float = 15.0) -> list[TopicOffset]:
+    """Current end (high watermark) offsets of every partition of the run's topics (``topics.in_run``)."""
     consumer = Consumer(reader_config(bootstrap, "dora-offsets"))
     try:
         md = metadata(consumer, None, timeout)
         out: list[TopicOffset] = []
-        for name in names or [s.name for s in topics.catalogue() if s.name != topics.RUNS]:
+        for name in [topics.in_run(run_id, s.name) for s in topics.catalogue() if s.name not in topics.GLOBAL_TOPICS]:
             if name not in md.topics:
-                raise RuntimeError(f"topic {name} does not exist; run `dora-rl topics create` first")
+                raise RuntimeError(f"topic {name} of run {run_id} does not exist (`dora-rl create` makes them)")
             for p in sorted(md.topics[name].partitions):
                 _, high = watermarks(consumer, TopicPartition(name, p), timeout)
                 out.append(TopicOffset(topic=name, partition=p, offset=high))
@@ -50,15 +52,18 @@ class RunExists(ValueError):
 
 
 def start_run(bootstrap: str, config: DoraConfig, run_id: str | None = None, token: str = "") -> RunInfo:
-    """Record a new run (state STARTED) with its start offsets, signed with the run's ``token``; returns it. A
-    given ``run_id`` that is recorded already raises :class:`RunExists` (its config and start offsets would be
-    replaced)."""
+    """Create the run's topics (``dora.<run_id>.*``, decision 0063) and record the run (state STARTED) with
+    their start offsets, signed with the run's ``token``; returns it. A given ``run_id`` that is recorded
+    already raises :class:`RunExists` (its config and start offsets would be replaced)."""
     if run_id is not None and run_id in list_runs(bootstrap):
         raise RunExists(f"run {run_id!r} exists on this cluster: choose another id, or continue it with "
                         f"`dora-rl resume {run_id}`")
-    info = RunInfo(run_id=run_id or new_run_id(), state="STARTED", mode=config.mode,
+    run_id = topics.check_run_id(run_id or new_run_id())
+    ensure_topics(AdminClient(client_config(bootstrap)), config.num_partitions,
+                         instances=config.instance_limit, run_id=run_id)
+    info = RunInfo(run_id=run_id, state="STARTED", mode=config.mode,
                    config_json=config.to_json(), created_ms=now_ms(),
-                   start_offsets=tuple(end_offsets(bootstrap)))
+                   start_offsets=tuple(end_offsets(bootstrap, run_id)))
     return publish(bootstrap, info, token)
 
 
@@ -119,6 +124,13 @@ def topic_start(start: Mapping[tuple[str, int], int], topic: str) -> dict[int, i
     return {p: o for (t, p), o in start.items() if t == topic}
 
 
+def read_run(bootstrap: str, info: RunInfo, topic: str) -> Iterable[Message]:
+    """Every committed record of catalogue topic ``topic`` of run ``info`` (its own topic, ``topics.in_run``),
+    from the run's start to the current end."""
+    name = topics.in_run(info.run_id, topic)
+    return read_all(bootstrap, name, topic_start(offsets_map(info), name))
+
+
 class RetentionGap(RuntimeError):
     """A run cannot be resumed: retention deleted records its roles still need."""
 
@@ -148,7 +160,8 @@ def retention_gaps(bootstrap: str, info: RunInfo, timeout: float = 15.0) -> list
                 key = (tp.topic, tp.partition)
                 committed[key] = min(committed.get(key, tp.offset), tp.offset)
     start = offsets_map(info)
-    read_by_roles = {s.name for s in topics.catalogue() if set(s.readers) & set(topics.ROLE_NAMES)}
+    read_by_roles = {topics.in_run(info.run_id, s.name) for s in topics.catalogue()
+                     if set(s.readers) & set(topics.ROLE_NAMES)}
     consumer = Consumer(reader_config(bootstrap, "dora-offsets"))
     gaps: list[str] = []
     try:

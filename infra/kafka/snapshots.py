@@ -35,7 +35,7 @@ def latest_snapshot(bootstrap: str, run_id: str, name: str, since: int = 0,
     A record under the key that does not decode, or (``token`` given) is not signed with the run's token, is
     passed by with a warning: anyone may write the topic, and only the processor's own snapshots count."""
     key = snapshot_key(run_id, name).encode()
-    for window in read_backwards(bootstrap, topics.STATE, stop_at=since):
+    for window in read_backwards(bootstrap, topics.in_run(run_id, topics.STATE), stop_at=since):
         for msg in reversed(window):
             if msg.key() != key:
                 continue
@@ -59,4 +59,4 @@ def send_snapshot(producer: RecordProducer, run_id: str, name: str, commit: int,
     snap = ProcessorSnapshot(run_id=run_id, processor=name, commit=commit, ts_ms=now_ms(), state=state,
                              positions=tuple(InputPosition(topic=t, partition=p, offset=o) for t, p, o in positions))
     snap = signed(snap, token)
-    producer.send(topics.STATE, snap, snapshot_key(run_id, name), partition=0)
+    producer.send(topics.in_run(run_id, topics.STATE), snap, snapshot_key(run_id, name), partition=0)

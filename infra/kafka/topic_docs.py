@@ -65,6 +65,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+RUN_TOPICS = ("Every run has topics of its own: the topic `dora.<name>` of run `R` is `dora.R.<name>` (made by "
+              "`dora-rl create`), beside its consumer groups and transactional ids `dora.R.<component>`; only "
+              "`dora.runs`, the registry of runs, is shared (docs/decisions/0063).")
+
+
 def render_readme_block(specs: Sequence[TopicSpec] | None = None) -> str:
     """The README's topic table, markers included (ends with a newline)."""
     specs = specs or catalogue()
@@ -75,7 +80,8 @@ def render_readme_block(specs: Sequence[TopicSpec] | None = None) -> str:
         lines.append(f"| `{s.name}` | `{s.record}` | {_actors(s.writers)} → {_actors(s.readers)} | "
                      f"{_partitions(s)} | {_retention(s)} |")
     tools = ", ".join(f"`{a.name}` (`{a.command}`)" for a in ACTORS.values() if a.kind == "tool")
-    lines += ["", f"Roles are the `dora-rl <role>` processes of a run; tools: {tools}. Keys, partitioning, "
+    lines += ["", RUN_TOPICS, "",
+              f"Roles are the `dora-rl <role>` processes of a run; tools: {tools}. Keys, partitioning, "
               "size limits and who reads what for which reason: [docs/topics.md](docs/topics.md).", END]
     return "\n".join(lines) + "\n"
 
@@ -86,14 +92,16 @@ def render_topics_md(specs: Sequence[TopicSpec] | None = None) -> str:
     out = [
         "# Kafka topics", "", GENERATED, "",
         "Every fact below is declared once, in the catalogue (`infra/kafka/topics.py`: `TopicSpec`, `catalogue()`), "
-        "which also creates the topics (`dora-rl topics create`). This file and the README's topic table are "
+        "which also creates the topics (a run's own with the run, `dora-rl create`; the shared `dora.runs` with "
+        "`dora-rl topics create`). This file and the README's topic table are "
         "generated from it by `dora-rl topics doc`; `dora-rl topics doc --check` and "
         "`tests/unit/test_topic_docs.py` fail when they drift, or when a declared writer or reader no longer "
         "references the topic in its code.", "",
         "Conventions for every topic:", "",
         "- **Values**: schemaless Avro of one record, headers `dora.schema` (full name) and `dora.schema.fp` "
         "(writer fingerprint); token arrays packed little-endian (docs/decisions/0003). Every record carries "
-        "`run_id`: runs share the topics (docs/decisions/0008).",
+        "`run_id`, which every reader checks.",
+        f"- **Runs**: {RUN_TOPICS}",
         "- **Keys**: `v<version:010d>/<suffix>` where a version exists (infra/kafka/keys.py, docs/decisions/0002), "
         "so tools filter by version without decoding values; the exceptions are listed per topic.",
         "- **Partitions**: `group_id` topics have `DoraConfig.num_partitions` partitions (shown for the "

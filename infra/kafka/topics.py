@@ -15,20 +15,16 @@ Invariants (checked when a spec is built):
 - a compacted topic declares no time retention (the latest record per key is kept);
 - ``configs`` (what :func:`ensure_topics` applies) is derived from the typed fields, never stated apart.
 
-Creation is idempotent (an existing topic is left as it is, and a partition count below the
-catalogue's is reported, never silently accepted). Replication factor is ``min(3, brokers)`` and
-``min.insync.replicas`` is ``min(2, rf)``, so the same catalogue runs on one broker and on a
-3-node cluster.
+Every topic but :data:`GLOBAL_TOPICS` exists once per run, as ``dora.<run_id>.<name>`` (:func:`in_run`,
+decision 0063). Creating and deleting topics on a cluster: :mod:`dora_rl.infra.kafka.topic_admin`.
 """
 
 from __future__ import annotations
 
 import functools
-import time
+import re
 from dataclasses import dataclass
 from typing import Literal
-
-from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
 DAY_MS = 24 * 3600 * 1000
 MIB = 1024 * 1024
@@ -52,6 +48,42 @@ METRICS = "dora.metrics"
 RUNS = "dora.runs"
 SCHEDULE = "dora.schedule"
 STATE = "dora.state"
+
+GLOBAL_TOPICS = frozenset({RUNS})
+"""Topics shared by every run (the run registry); every other catalogue topic exists once per run."""
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if it can name Kafka resources unambiguously: 1-100 of ``[A-Za-z0-9_-]`` (no dot, so the
+    prefix ``dora.<run_id>.`` of one run is never a prefix of another's); ValueError otherwise."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run id {run_id!r}: use 1-100 letters, digits, '-' or '_'")
+    return run_id
+
+
+def in_run(run_id: str, name: str) -> str:
+    """The topic that holds catalogue topic ``name`` for run ``run_id``: ``dora.<run_id>.<name without
+    'dora.'>`` (e.g. ``dora.r1.train.batches``), so a run's topics, consumer groups and transactional ids
+    share the prefix ``dora.<run_id>.`` (decision 0063); :data:`GLOBAL_TOPICS` keep their name."""
+    if name in GLOBAL_TOPICS:
+        return name
+    if not name.startswith("dora."):
+        raise ValueError(f"{name!r} is not a catalogue topic name")
+    return f"dora.{check_run_id(run_id)}.{name[len('dora.'):]}"
+
+
+def catalogue_name(run_id: str, topic: str) -> str:
+    """The inverse of :func:`in_run`: the catalogue name of ``topic`` of run ``run_id`` (ValueError for a
+    topic of no run or of another run)."""
+    if topic in GLOBAL_TOPICS:
+        return topic
+    prefix = f"dora.{run_id}."
+    if not topic.startswith(prefix):
+        raise ValueError(f"topic {topic!r} is not a topic of run {run_id!r}")
+    return "dora." + topic[len(prefix):]
+
 
 Partitioning = Literal["group_id", "instance", "single"]
 Cleanup = Literal["delete", "compact"]
@@ -332,10 +364,29 @@ def max_record_bytes(name: str) -> int:
     with a reason instead of failing a whole flush or transaction. Cached: it is asked on every send,
     and the catalogue is fixed."""
     try:
-        limit = spec(name).max_message_bytes
-    except KeyError:
+        limit = _spec_of(name).max_message_bytes
+    except (KeyError, ValueError):
         return BROKER_DEFAULT_MAX_BYTES
     return limit if limit is not None else BROKER_DEFAULT_MAX_BYTES
+
+
+def _spec_of(name: str) -> TopicSpec:
+    """The catalogue entry of a catalogue name or of a run's topic."""
+    try:
+        return spec(name)
+    except KeyError:
+        return spec(catalogue_name_of(name))
+
+
+def catalogue_name_of(topic: str) -> str:
+    """The catalogue name of a topic of any run (``dora.<run>.<rest>`` -> ``dora.<rest>``; run ids hold no
+    dot); ValueError for a name of no run."""
+    if topic in GLOBAL_TOPICS:
+        return topic
+    parts = topic.split(".", 2)
+    if len(parts) != 3 or parts[0] != "dora":
+        raise ValueError(f"{topic!r} is not a DORA topic")
+    return f"dora.{parts[2]}"
 
 
 def spec(name: str, num_partitions: int = 4, instances: int = MAX_INSTANCES) -> TopicSpec:
@@ -344,68 +395,3 @@ def spec(name: str, num_partitions: int = 4, instances: int = MAX_INSTANCES) -> 
         if s.name == name:
             return s
     raise KeyError(f"unknown topic {name!r}")
-
-
-def ensure_topics(admin: AdminClient, num_partitions: int = 4, timeout: float = 30.0,
-                  instances: int = MAX_INSTANCES) -> dict[str, str]:
-    """Create every missing topic; returns ``{topic: 'created' | 'exists' | 'grown'}``.
-
-    The request topic (partition = instance index) is grown to ``instances`` partitions when it has
-    fewer: no key maps to its partitions, so adding some moves nothing. Raises RuntimeError if another
-    topic exists with fewer partitions than the catalogue needs (growing a key-partitioned topic would
-    move keys), or if creation fails for another reason than 'already exists'.
-    """
-    metadata = admin.list_topics(timeout=timeout)
-    brokers = max(1, len(metadata.brokers))
-    rf = min(3, brokers)
-    result: dict[str, str] = {}
-    to_create: list[NewTopic] = []
-    for s in catalogue(num_partitions, instances):
-        existing = metadata.topics.get(s.name)
-        if existing is not None and existing.error is None:
-            have = len(existing.partitions)
-            if have < s.partitions and s.partitioning == "instance":
-                for fut in admin.create_partitions([NewPartitions(s.name, s.partitions)],
-                                                   request_timeout=timeout).values():
-                    fut.result(timeout=timeout)
-                wait_for_leaders(admin, [s.name], timeout)
-                result[s.name] = "grown"
-                continue
-            if have < s.partitions:
-                raise RuntimeError(f"topic {s.name} has {have} partitions, the catalogue needs {s.partitions}")
-            result[s.name] = "exists"
-            continue
-        configs = dict(s.configs)
-        configs.setdefault("min.insync.replicas", str(min(2, rf)))
-        to_create.append(NewTopic(s.name, num_partitions=s.partitions, replication_factor=rf, config=configs))
-    if to_create:
-        futures = admin.create_topics(to_create, request_timeout=timeout)
-        for name, fut in futures.items():
-            try:
-                fut.result(timeout=timeout)
-                result[name] = "created"
-            except Exception as exc:  # KafkaException wraps the broker error
-                if "TOPIC_ALREADY_EXISTS" in str(exc):
-                    result[name] = "exists"
-                else:
-                    raise RuntimeError(f"creating topic {name} failed: {exc}") from exc
-        wait_for_leaders(admin, [t.topic for t in to_create], timeout)
-    return result
-
-
-def wait_for_leaders(admin: AdminClient, names: list[str], timeout: float = 30.0) -> None:
-    """Block until every partition of ``names`` has a leader (new topics take a moment)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        md = admin.list_topics(timeout=timeout)
-        missing = [
-            f"{n}[{p}]"
-            for n in names
-            for p, pm in (md.topics[n].partitions.items() if n in md.topics else [(-1, None)])
-            if pm is None or pm.leader < 0
-        ]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no leader after {timeout}s for {missing[:5]}")
-        time.sleep(0.2)

@@ -310,7 +310,12 @@ def release_consumer(consumer: Any) -> None:
 
 @_never_raises
 def record_sent(topic: str, record: Any) -> None:
-    """A record was queued for ``topic`` (every typed send of :class:`~dora_rl.infra.kafka.io.RecordProducer`)."""
+    """A record was queued for ``topic`` (every typed send of :class:`~dora_rl.infra.kafka.io.RecordProducer`),
+    counted under its catalogue name (a process serves one run)."""
+    try:
+        topic = topics.catalogue_name_of(topic)
+    except ValueError:
+        pass
     RECORDS_SENT.labels(topic).inc()
     if topic == topics.DLQ and isinstance(record, DeadLetter):
         DEAD_LETTERS.labels(record.component, record.error_type).inc()

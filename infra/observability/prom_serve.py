@@ -146,7 +146,7 @@ def _announce(bootstrap: str, endpoint: MetricsEndpoint) -> None:
 
     try:
         producer = RecordProducer(bootstrap, f"{endpoint.name}-metrics-{endpoint.run_id}")
-        producer.send(topics.METRICS, Metric(
+        producer.send(topics.in_run(endpoint.run_id, topics.METRICS), Metric(
             run_id=endpoint.run_id, component=endpoint.name, name="metrics_endpoint", value=float(endpoint.port),
             ts_ms=now_ms(), labels={"address": endpoint.address, "url": endpoint.url, "role": endpoint.role}),
             f"{endpoint.name}/metrics_endpoint")

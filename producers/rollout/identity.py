@@ -31,7 +31,7 @@ def default_name() -> str:
 
 
 def _records(bootstrap: str, run_id: str, start: Mapping[int, int]) -> Iterator[tuple[int, str]]:
-    for msg in read_all(bootstrap, topics.INSTANCES, start, idle_s=0.5):
+    for msg in read_all(bootstrap, topics.in_run(run_id, topics.INSTANCES), start, idle_s=0.5):
         try:
             st = InstanceStatus.decode(msg.value(), msg.headers())
         except DecodeError:  # a malformed record is the orchestrator's to dead-letter; it owns nothing
@@ -43,7 +43,7 @@ def _records(bootstrap: str, run_id: str, start: Mapping[int, int]) -> Iterator[
 def claim_index(bootstrap: str, run_id: str, max_instances: int, start_offsets: Mapping[tuple[str, int], int],
                 name: str, capacity: int = 0, max_tries: int = 64) -> int:
     """The index ``name`` owns in run ``run_id``: the one it owned before, else a newly claimed one."""
-    start = topic_start(start_offsets, topics.INSTANCES)
+    start = topic_start(start_offsets, topics.in_run(run_id, topics.INSTANCES))
     producer = RecordProducer(bootstrap, f"claim-{name}")
     try:
         for _ in range(max_tries):
@@ -56,7 +56,7 @@ def claim_index(bootstrap: str, run_id: str, max_instances: int, start_offsets: 
             claim = InstanceStatus(run_id=run_id, instance_id=f"rollout-{index}", instance_index=index,
                                    loaded_version=-1, state="STARTING", in_flight=0, capacity=capacity,
                                    ts_ms=now_ms(), incarnation=name)
-            producer.send(topics.INSTANCES, claim, make_key(0, f"rollout-{index}"))
+            producer.send(topics.in_run(run_id, topics.INSTANCES), claim, make_key(0, f"rollout-{index}"))
             producer.flush()  # acknowledged: the next read reaches it
             log.info("instance %s claimed index %d; reading back who owns it", name, index)
         raise RuntimeError(f"instance {name}: no index claimed after {max_tries} tries (racing claimants?)")

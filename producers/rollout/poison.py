@@ -101,7 +101,8 @@ class PoisonGuard:
                             key=make_key(int(req.policy_version), req.group_id).encode(), value=value,
                             group_id=req.group_id, trajectory_id=req.trajectory_id, attempts=t.failures),
                         self.token)
-        self.producer.send(topics.DLQ, letter, make_key(int(req.policy_version), req.group_id))
+        dlq = topics.in_run(self.run_id, topics.DLQ)
+        self.producer.send(dlq, letter, make_key(int(req.policy_version), req.group_id))
         self.producer.flush(30)
         self.refused += 1
         log.error("%s: refused %s (group %s): %s", self.instance_id, req.trajectory_id, req.group_id, reason)

@@ -23,14 +23,15 @@ class RequestReader:
     """Consumer of this instance's request partition with explicit, gap-safe commits."""
 
     def __init__(self, bootstrap: str, run_id: str, index: int, start: int, dlq: DeadLetters) -> None:
-        self.tp = TopicPartition(topics.REQUESTS, index)
+        requests = topics.in_run(run_id, topics.REQUESTS)
+        self.tp = TopicPartition(requests, index)
         self.dlq = dlq
         self.run_id = run_id
         self.consumer = Consumer(consumer_config(bootstrap, f"dora.{run_id}.rollout-{index}",
                                                  f"rollout-{index}-{run_id}"))
-        have = len(self.consumer.list_topics(topics.REQUESTS, timeout=30).topics[topics.REQUESTS].partitions)
+        have = len(self.consumer.list_topics(requests, timeout=30).topics[requests].partitions)
         if index >= have:
-            raise ValueError(f"rollout-{index} has no request partition: {topics.REQUESTS} has {have}; an instance "
+            raise ValueError(f"rollout-{index} has no request partition: {requests} has {have}; an instance "
                              f"index must be below the run's max_instances (the request topic's partitions)")
         committed = self.consumer.committed([self.tp], timeout=30)[0].offset
         self.tp.offset = committed if committed != OFFSET_INVALID and committed >= 0 else start

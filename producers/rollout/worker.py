@@ -65,6 +65,7 @@ class Instance:
     def __init__(self, run_id: str, index: int, config: DoraConfig, producer: RecordProducer,
                  decode: Callable[[list[int]], str], guard: PoisonGuard, token: str = "") -> None:
         self.run_id, self.index, self.config = run_id, index, config
+        self.out = {t: topics.in_run(run_id, t) for t in (topics.INSTANCES, topics.TOKENS, topics.TRAJECTORIES)}
         self.token = token  # signs each trajectory: the scorer scores no other (decision 0062)
         self.instance_id = f"rollout-{index}"
         self.producer = producer
@@ -94,7 +95,7 @@ class Instance:
                             capacity=self.config.instance_concurrency, in_flight_ids=running[:256],
                             weight_endpoint=self.endpoint, generated_tokens=self.tokens, busy_s=self.busy_s,
                             ts_ms=now_ms())
-        self.producer.send(topics.INSTANCES, st, make_key(max(self.held, 0), self.instance_id))
+        self.producer.send(self.out[topics.INSTANCES], st, make_key(max(self.held, 0), self.instance_id))
 
     def _partition(self, group_id: str) -> int:
         return partition_for(group_id, self.config.num_partitions)
@@ -103,7 +104,7 @@ class Instance:
         req = self.pending[rid][1]
         start = self.chunk_pos.get(rid, len(req.partial_ids))
         self.chunk_pos[rid] = start + len(ids)
-        self.producer.send(topics.TOKENS, TokenChunk(
+        self.producer.send(self.out[topics.TOKENS], TokenChunk(
             run_id=self.run_id, trajectory_id=rid, group_id=req.group_id, policy_version=self.held,
             instance_id=self.instance_id, start=start, token_ids=np.asarray(ids), logprobs=np.asarray(lps),
             final=False, ts_ms=now_ms()), make_key(self.held, req.group_id), partition=self._partition(req.group_id))
@@ -113,7 +114,7 @@ class Instance:
 
     def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float]) -> None:
         """Hand a cancelled trajectory back: its whole partial response, for migration."""
-        self.producer.send(topics.TOKENS, TokenChunk(
+        self.producer.send(self.out[topics.TOKENS], TokenChunk(
             run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id,
             policy_version=int(req.policy_version), instance_id=self.instance_id, start=0,
             token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32), final=True,
@@ -142,7 +143,7 @@ class Instance:
                 instance_id=self.instance_id, instance_version=self.held, dispatched_ms=req.dispatched_ms,
                 first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000)), self.token)
             try:
-                self.producer.send(topics.TRAJECTORIES, traj, make_key(int(req.policy_version), req.group_id),
+                self.producer.send(self.out[topics.TRAJECTORIES], traj, make_key(int(req.policy_version), req.group_id),
                                    partition=self._partition(req.group_id))
             except RecordTooLarge as exc:  # generating it again would not make it smaller: refuse the group
                 with self.lock:
@@ -216,7 +217,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     metrics = Metrics(producer, run_id, f"rollout-{index}")
     eng: Engine = engine if engine is not None else make_engine(config, index)
     guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts,
-                        state_since=start_offsets.get((topics.STATE, 0), 0), token=token)
+                        state_since=start_offsets.get((topics.in_run(run_id, topics.STATE), 0), 0), token=token)
     inst = Instance(run_id, index, config, producer, eng.decode, guard, token)
     fetcher = None
     if eng.fetches_weights:  # imported here: the weight channel needs torch, an emulated instance does not
@@ -226,7 +227,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     holder = (InstanceHolder(config.weight_transport, run_id, token)
               if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
     inst.endpoint = holder.endpoint if holder is not None else ""
-    reader = RequestReader(bootstrap, run_id, index, start_offsets.get((topics.REQUESTS, index), 0), inst_dlq)
+    requests_start = start_offsets.get((topics.in_run(run_id, topics.REQUESTS), index), 0)
+    reader = RequestReader(bootstrap, run_id, index, requests_start, inst_dlq)
     versions = RunConsumer(bootstrap, run_id, inst.instance_id,
                            {topics.VERSIONS: PolicyVersion, topics.HOLDERS: PolicyVersion}, inst_dlq,
                            start_offsets, group_suffix=f".versions.{now_ms()}")
@@ -308,7 +310,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         if holder is not None:  # serve what we now hold: peers pull from the least-loaded holder
             weights = eng.weights_to_serve()
             if weights is not None:
-                producer.send(topics.HOLDERS, holder.hold(version, weights, inst.held),
+                producer.send(topics.in_run(run_id, topics.HOLDERS), holder.hold(version, weights, inst.held),
                               make_key(version, "policy"))
         inst.held = version
         metrics.emit("switch_s", time.perf_counter() - t0, version=version)

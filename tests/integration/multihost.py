@@ -47,12 +47,11 @@ def claimed_indices(bootstrap: str, run_id: str) -> dict[str, int]:
     """``instance name -> index`` owned, by the rule every instance applies (core/instance_ids.py)."""
     from dora_rl.core.instance_ids import owners
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import InstanceStatus
 
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
-    recs = [InstanceStatus.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.INSTANCES, start)]
+    recs = [InstanceStatus.decode(m.value(), m.headers())
+            for m in read_run(bootstrap, get_run(bootstrap, run_id), topics.INSTANCES)]
     own = owners((int(s.instance_index), s.incarnation) for s in recs if s.run_id == run_id)
     return {name: i for i, name in own.items() if name}
 
@@ -84,16 +83,17 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
 
     params = for_instance(EmulatedParams.from_dict({"seed": config["seed"], **config.get("emulated", {})}), index)
     step, cap = params.base_step_s * params.time_scale, int(config["max_new_tokens"])
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
+    instances = topics.in_run(run_id, topics.INSTANCES)
+    start = topic_start(offsets_map(get_run(bootstrap, run_id)), instances)
     consumer = Consumer(reader_config(bootstrap, f"dora-test-tail-{now_ms()}"))
-    consumer.assign([TopicPartition(topics.INSTANCES, p, o) for p, o in start.items()])
+    consumer.assign([TopicPartition(instances, p, o) for p, o in start.items()])
     seen: set[str] = set()
     prev_ts: int | None = None
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             for msg in consumer.consume(100, 0.1):
-                check_kafka_error(msg.error(), f"tailing {topics.INSTANCES}")
+                check_kafka_error(msg.error(), f"tailing {instances}")
                 hb = InstanceStatus.decode(msg.value(), msg.headers())
                 if hb.run_id != run_id:
                     continue

@@ -14,14 +14,12 @@ from typing import Any
 def _metrics(bootstrap: str, run_id: str) -> list[Any]:
     """The decodable records of ``dora.metrics`` from the run's start (garbage on the topic is passed over)."""
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.codec import DecodeError
     from dora_rl.schemas.records import Metric
 
     out = []
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.METRICS)
-    for msg in read_all(bootstrap, topics.METRICS, start):
+    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.METRICS):
         try:
             out.append(Metric.decode(msg.value(), msg.headers()))
         except DecodeError:
@@ -58,13 +56,11 @@ def emulated_run(**overrides: Any) -> dict[str, Any]:
 
 def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import Trajectory
 
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.TRAJECTORIES)
     out: dict[str, int] = {}
-    for msg in read_all(bootstrap, topics.TRAJECTORIES, start):
+    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.TRAJECTORIES):
         t = Trajectory.decode(msg.value(), msg.headers())
         if t.run_id == run_id:
             out[t.instance_id] = out.get(t.instance_id, 0) + 1

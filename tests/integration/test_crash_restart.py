@@ -89,19 +89,20 @@ def test_resume_after_retention_deleted_what_the_run_needs_fails_with_that_reaso
 
     info = start_run(bootstrap, DoraConfig.from_dict({**CONFIG, "steps": 2}))
     producer = RecordProducer(bootstrap, "retention-test")
+    prompts = topics.in_run(info.run_id, topics.PROMPTS)
     for i in range(3):  # records of the run that nothing has consumed yet
-        producer.send_raw(topics.PROMPTS, b"prompt bytes", f"v-/{info.run_id}/p{i}".encode(), partition=0)
+        producer.send_raw(prompts, b"prompt bytes", f"v-/{info.run_id}/p{i}".encode(), partition=0)
     producer.flush()
     assert retention_gaps(bootstrap, info) == [], "nothing deleted yet: the check must not fire"
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    high = next(o.offset for o in info.start_offsets if (o.topic, o.partition) == (topics.PROMPTS, 0)) + 3
-    for fut in admin.delete_records([TopicPartition(topics.PROMPTS, 0, high)]).values():
+    high = next(o.offset for o in info.start_offsets if (o.topic, o.partition) == (prompts, 0)) + 3
+    for fut in admin.delete_records([TopicPartition(prompts, 0, high)]).values():
         fut.result()  # what retention does: the partition now starts after the run's prompts
     res = subprocess.run([sys.executable, "-m", "dora_rl", "resume", info.run_id, "--bootstrap-servers", bootstrap],
                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert res.returncode == 3, res.stdout[-1000:] + res.stderr[-2000:]
     assert f"run {info.run_id} cannot be resumed: retention deleted records" in res.stderr
-    assert f"{topics.PROMPTS}[0]: the run needs records from offset {high - 3}" in res.stderr
+    assert f"{prompts}[0]: the run needs records from offset {high - 3}" in res.stderr
     assert not (dora_home / "runs" / info.run_id / "pids.json").exists(), "nothing may start"
 
 
@@ -124,7 +125,7 @@ def test_a_run_outlives_short_retention_and_resumes_after_its_offsets_expired(do
 
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra.broker.server import LocalBroker
-    from dora_rl.infra.kafka.topics import ensure_topics
+    from dora_rl.infra.kafka.topic_admin import ensure_topics
 
     broker = LocalBroker(tmp_path / "broker", port=0, config=SHORT_RETENTION).start()
     try:

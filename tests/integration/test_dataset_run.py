@@ -32,8 +32,7 @@ def _dataset(path: Path) -> Path:
 def test_run_on_a_jsonl_dataset_with_evaluation(bootstrap: str, dora_home: Path, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.launcher import run
 
     data = _dataset(tmp_path / "arith.jsonl")
@@ -47,8 +46,7 @@ def test_run_on_a_jsonl_dataset_with_evaluation(bootstrap: str, dora_home: Path,
 
     # the prompts on the topic are the training rows, in order, and never a held-out row
     info = get_run(bootstrap, summary["run_id"])
-    start = topic_start(offsets_map(info), topics.PROMPTS)
-    written = [p for p in (Prompt.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.PROMPTS, start))
+    written = [p for p in (Prompt.decode(m.value(), m.headers()) for m in read_run(bootstrap, info, topics.PROMPTS))
                if p.run_id == summary["run_id"]]
     rows = training_prompts(config, len(written))
     assert [p.prompt_text for p in written] == [r.prompt for r in rows]

@@ -82,8 +82,7 @@ def test_more_instances_than_request_partitions_each_serving_at_least_two_versio
     ``max_instances``; every instance holds two or more versions over the run, and the audit passes."""
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import InstanceStatus
 
     # migrate: a moved instance switches at once. Under drain (the default) the instances that keep the oldest
@@ -105,9 +104,8 @@ def test_more_instances_than_request_partitions_each_serving_at_least_two_versio
                          env=dict(os.environ))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run_id = json.loads(out.read_text())["run_id"]
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.INSTANCES)
     held: dict[str, set[int]] = {}
-    for msg in read_all(bootstrap, topics.INSTANCES, start):
+    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.INSTANCES):
         st = InstanceStatus.decode(msg.value(), msg.headers())
         if st.run_id == run_id and st.loaded_version >= 0:
             held.setdefault(st.instance_id, set()).add(int(st.loaded_version))

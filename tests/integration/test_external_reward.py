@@ -69,12 +69,10 @@ def _key_args(run_id: str) -> list[str]:
 
 def _read(bootstrap: str, run_id: str, topic: str, cls: type) -> list[tuple[int, int, object, object]]:
     """(partition, offset, message, record) of the run's committed records on ``topic``."""
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
 
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topic)
     out = []
-    for msg in read_all(bootstrap, topic, start):
+    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topic):
         rec = cls.decode(msg.value(), msg.headers())
         if getattr(rec, "run_id", None) == run_id:
             out.append((msg.partition(), msg.offset(), msg, rec))
@@ -154,7 +152,7 @@ def test_external_reward_service_killed_and_restarted_scores_the_run_exactly_onc
     try:
         parts = {p for p, *_ in generated}
         committed = {tp.partition: tp.offset for tp in consumer.committed(
-            [TopicPartition(topics.TRAJECTORIES, p) for p in parts], timeout=30)}
+            [TopicPartition(topics.in_run(run_id, topics.TRAJECTORIES), p) for p in parts], timeout=30)}
     finally:
         consumer.close()
     consumed = Counter(t.trajectory_id for p, o, _, t in generated if o < committed[p])

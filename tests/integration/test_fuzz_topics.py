@@ -121,10 +121,12 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         def sent(kind: str) -> object:
             def report(err: object, msg: object) -> None:
                 assert err is None, err
-                injected.append((msg.topic(), msg.partition(), msg.offset(), kind))  # type: ignore[attr-defined]
+                injected.append((topics.catalogue_name(run_id, msg.topic()),  # type: ignore[attr-defined]
+                                 msg.partition(), msg.offset(), kind))  # type: ignore[attr-defined]
             return report
 
-        genuine = PolicyVersion.decode(*_last_record(bootstrap, topics.VERSIONS))  # before any garbage lands there
+        # before any garbage lands there
+        genuine = PolicyVersion.decode(*_last_record(bootstrap, topics.in_run(run_id, topics.VERSIONS)))
         scorer_key = (rdir / "scorer-key").read_text().strip()  # a hostile scorer of the run holds it
         recent = _recent_trajectories(bootstrap, run_id, 4)
         hostile = [(signed(dataclasses.replace(t, reward=r), scorer_key), topics.SCORED, f"real_{name}_reward")
@@ -136,11 +138,13 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                             source_offset=0, ts_ms=0, run_id=run_id)
         for topic in FUZZED:
             template = (letter.encode() if topic == topics.DLQ else genuine.encode() if topic == topics.HOLDERS
-                        else _last_record(bootstrap, topic))  # an emulated run serves no weights: no holder yet
-            for p in _live_partitions(topic, len(meta[topic].partitions)):
+                        else _last_record(bootstrap, topics.in_run(run_id, topic)))  # an emulated run: no holder
+            for p in _live_partitions(topic, len(meta[topics.in_run(run_id, topic)].partitions)):
                 for kind, value, headers in _garbage(template, rng):
-                    producer.produce(topic, value, b"fuzz", partition=p, headers=headers, on_delivery=sent(kind))
-        producer.produce(topics.SCORED, rng.randbytes(900_000), b"fuzz", partition=0, on_delivery=sent("oversize"))
+                    producer.produce(topics.in_run(run_id, topic), value, b"fuzz", partition=p, headers=headers,
+                                     on_delivery=sent(kind))
+        producer.produce(topics.in_run(run_id, topics.SCORED), rng.randbytes(900_000), b"fuzz", partition=0,
+                         on_delivery=sent("oversize"))
         nan = signed(_trajectory(run_id, "fuzz-nan", math.nan), scorer_key)
         no_holder = PolicyVersion(run_id=run_id, version=0, step=0, created_ms=0, transport="tcp", holders=(),
                                   total_bytes=0, checksum_algo="sha256", tensors=(), buckets=())
@@ -172,7 +176,8 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
                                      bootstrap, run_id), base_version=0, max_staleness=CONFIG["max_staleness"],
                                      created_ms=0, trajectories=()), topics.BATCHES, "forged_batch")):
             value, headers = rec.encode()  # type: ignore[attr-defined]
-            producer.produce(topic, value, b"fuzz", partition=0, headers=headers, on_delivery=sent(kind))
+            producer.produce(topics.in_run(run_id, topic), value, b"fuzz", partition=0, headers=headers,
+                             on_delivery=sent(kind))
         assert producer.flush(30) == 0
         assert launcher.poll() is None and steps_done(bootstrap, run_id) < CONFIG["steps"] - 2, \
             "the records must arrive while the run trains"
@@ -189,7 +194,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     assert report.verdict == "PASS" and report.v_replayed >= 1, report.render()
 
     letters: dict[tuple[str, int, int], set[str]] = {}  # position -> the components that dead-lettered it
-    for msg in read_all(bootstrap, topics.DLQ, {}):
+    for msg in read_all(bootstrap, topics.in_run(run_id, topics.DLQ), {}):
         try:
             d = DeadLetter.decode(msg.value(), msg.headers())
         except DecodeError:
@@ -212,9 +217,10 @@ def _recent_trajectories(bootstrap: str, run_id: str, n: int) -> list:  # type: 
     from dora_rl.schemas.records import Trajectory
 
     found: dict[str, Trajectory] = {}
-    meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topics.TRAJECTORIES, timeout=30)
-    for p in meta.topics[topics.TRAJECTORIES].partitions:
-        for window in read_backwards(bootstrap, topics.TRAJECTORIES, p, window=50):
+    trajectories = topics.in_run(run_id, topics.TRAJECTORIES)
+    meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(trajectories, timeout=30)
+    for p in meta.topics[trajectories].partitions:
+        for window in read_backwards(bootstrap, trajectories, p, window=50):
             for msg in reversed(window):
                 try:
                     t = Trajectory.decode(msg.value(), msg.headers())
@@ -239,7 +245,7 @@ def _assert_finite_training(bootstrap: str, run_id: str, dora_home: Path) -> Non
     from dora_rl.schemas.records import TrainBatch
 
     rewards: list[float | None] = []
-    for msg in read_all(bootstrap, topics.BATCHES, {}):
+    for msg in read_all(bootstrap, topics.in_run(run_id, topics.BATCHES), {}):
         try:
             batch = TrainBatch.decode(msg.value(), msg.headers())
         except DecodeError:

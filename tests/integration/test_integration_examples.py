@@ -63,13 +63,11 @@ def example_run(bootstrap: str, dora_home: Path, tmp_path_factory: pytest.TempPa
 
 def _scored(bootstrap: str, run_id: str) -> list[tuple[int, int, Any]]:
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import Trajectory
 
-    start = topic_start(offsets_map(get_run(bootstrap, run_id)), topics.SCORED)
     out = []
-    for msg in read_all(bootstrap, topics.SCORED, start):
+    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.SCORED):
         t = Trajectory.decode(msg.value(), msg.headers())
         if t.run_id == run_id:
             out.append((msg.partition(), msg.offset(), t))
@@ -157,7 +155,8 @@ def test_faust_example_aggregates_the_runs_rewards_by_version(example_run: dict[
         first.setdefault(t.trajectory_id, (int(t.policy_version), float(t.reward)))
     want = example.by_version(first.values())
     assert len(want) >= 2, "the run should span several versions"
-    partitions = len(AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics[topics.SCORED]
+    scored = topics.in_run(run_id, topics.SCORED)
+    partitions = len(AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics[scored]
                      .partitions)
     app, table = example.build_app(bootstrap, run_id, REPO / "schemas", partitions,
                                    app_id=f"faust-example-{uuid.uuid4().hex[:8]}", every_s=1.0)

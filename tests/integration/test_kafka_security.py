@@ -37,6 +37,7 @@ from dora_rl.infra.broker.server import BrokerError, BrokerSecurity, LocalBroker
 from dora_rl.infra.kafka import security as ks
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
+from dora_rl.infra.kafka.topic_admin import ensure_topics
 from dora_rl.schemas.records import Trajectory
 
 pytestmark = pytest.mark.broker
@@ -44,6 +45,9 @@ pytestmark = pytest.mark.broker
 ALICE_PW = f"alice-{uuid.uuid4().hex}"
 MALLORY_PW = f"mallory-{uuid.uuid4().hex}"
 WRONG_PW = f"wrong-{uuid.uuid4().hex}"
+RUN = "r1"
+"""The run alice is a scorer of; every topic of a run is its own (decision 0063)."""
+SCORED, BATCHES = topics.in_run(RUN, topics.SCORED), topics.in_run(RUN, topics.BATCHES)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +55,12 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
     b = LocalBroker(tmp_path_factory.mktemp("kafka-secure") / "broker", port=0, security=BrokerSecurity())
     b.start()
     try:
-        topics.ensure_topics(AdminClient(ks.client_config(b.bootstrap_servers, security=b.client_security())), 2)
+        for run in (RUN, "runA", "runB"):
+            ensure_topics(AdminClient(ks.client_config(b.bootstrap_servers, security=b.client_security())), 2,
+                                 run_id=run)
         admin = b.admin()
         admin.create_user("alice", ALICE_PW)
-        admin.grant_role("User:alice", "scorer")
+        admin.grant_role("User:alice", "scorer", run_id=RUN)
         admin.create_user("mallory", MALLORY_PW)
         yield b
     finally:
@@ -70,11 +76,11 @@ def test_confluent_round_trip_over_sasl_ssl(broker: LocalBroker) -> None:
     p = Producer(ks.client_config(broker.bootstrap_servers, security=alice, **{"enable.idempotence": True}))
     key = uuid.uuid4().hex
     for i in range(5):
-        p.produce(topics.SCORED, f"v{i}".encode(), key.encode())
+        p.produce(SCORED, f"v{i}".encode(), key.encode())
     assert p.flush(30) == 0
     c = Consumer(ks.client_config(broker.bootstrap_servers, security=alice, **{
-        "group.id": f"dora.test.{key}", "auto.offset.reset": "earliest"}))
-    c.subscribe([topics.SCORED])
+        "group.id": f"dora.{RUN}.scorer.test.{key}", "auto.offset.reset": "earliest"}))
+    c.subscribe([SCORED])
     got: list[bytes] = []
     deadline = time.monotonic() + 30
     try:
@@ -84,7 +90,7 @@ def test_confluent_round_trip_over_sasl_ssl(broker: LocalBroker) -> None:
                 assert m.error() is None, m.error()
                 if m.key() == key.encode():
                     got.append(m.value() or b"")
-        c.commit(asynchronous=False)  # READ on groups dora*: committing works
+        c.commit(asynchronous=False)  # READ on the scorer's groups of its run: committing works
     finally:
         c.close()
     assert got == [f"v{i}".encode() for i in range(5)]
@@ -101,11 +107,12 @@ def test_aiokafka_round_trip_over_sasl_ssl(broker: LocalBroker) -> None:
         await prod.start()
         try:
             for i in range(3):
-                await prod.send_and_wait(topics.SCORED, f"a{i}".encode(), key=key)
+                await prod.send_and_wait(SCORED, f"a{i}".encode(), key=key)
         finally:
             await prod.stop()
-        cons = AIOKafkaConsumer(topics.SCORED, bootstrap_servers=broker.bootstrap_servers,
-                                group_id=f"dora.aio.{key.decode()}", auto_offset_reset="earliest", **kwargs)
+        cons = AIOKafkaConsumer(SCORED, bootstrap_servers=broker.bootstrap_servers,
+                                group_id=f"dora.{RUN}.scorer.aio.{key.decode()}", auto_offset_reset="earliest",
+                                **kwargs)
         await cons.start()
         out: list[bytes] = []
         try:
@@ -138,7 +145,7 @@ def test_wrong_password_fails_fast_with_authentication_error(broker: LocalBroker
     t0 = time.monotonic()
     with ks.using(bad), pytest.raises(ks.KafkaSecurityError) as exc:
         producer = RecordProducer(broker.bootstrap_servers, "wrong-password")
-        producer.send_raw(topics.SCORED, b"x", b"k")
+        producer.send_raw(SCORED, b"x", b"k")
         producer.flush(60)
     assert time.monotonic() - t0 < 30
     assert exc.value.code_name == "_AUTHENTICATION" and "_AUTHENTICATION" in str(exc.value)
@@ -149,7 +156,7 @@ def test_missing_write_acl_is_topic_authorization_failed(broker: LocalBroker) ->
     alice = user(broker, "alice", ALICE_PW)  # a scorer: may write dora.rollout.scored, not dora.train.batches
     reports: list[KafkaError | None] = []
     p = Producer(ks.client_config(broker.bootstrap_servers, security=alice))
-    p.produce(topics.BATCHES, b"x", on_delivery=lambda err, msg: reports.append(err))
+    p.produce(BATCHES, b"x", on_delivery=lambda err, msg: reports.append(err))
     p.flush(30)
     assert reports and reports[0] is not None
     assert reports[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED == 29
@@ -157,15 +164,16 @@ def test_missing_write_acl_is_topic_authorization_failed(broker: LocalBroker) ->
     t0 = time.monotonic()
     with ks.using(alice), pytest.raises(ks.KafkaSecurityError) as exc:
         producer = RecordProducer(broker.bootstrap_servers, "scorer-without-acl")
-        producer.send_raw(topics.BATCHES, b"x", b"k")
+        producer.send_raw(BATCHES, b"x", b"k")
         producer.flush(60)
     assert time.monotonic() - t0 < 30
     assert exc.value.code_name == "TOPIC_AUTHORIZATION_FAILED" and "TOPIC_AUTHORIZATION_FAILED" in str(exc.value)
 
 
 def test_a_principal_of_one_run_cannot_commit_offsets_for_or_fence_another_runs_roles(broker: LocalBroker) -> None:
-    """Granted for run A only (``grant_role(..., run_id)``): its own group commits and its own transactional id
-    initialises; the same for run B is refused by the broker (issue 32, decision 0057)."""
+    """Granted for run A only (``grant_role(..., run_id)``): it reads run A's topics, its own group commits and its
+    own transactional id initialises; the same for run B is refused by the broker (issue 32, decisions 0057,
+    0063)."""
     name, pw = f"carol-{uuid.uuid4().hex[:6]}", f"pw-{uuid.uuid4().hex}"
     admin = broker.admin()
     admin.create_user(name, pw)
@@ -174,7 +182,8 @@ def test_a_principal_of_one_run_cannot_commit_offsets_for_or_fence_another_runs_
     offsets = AdminClient(ks.client_config(broker.bootstrap_servers, security=carol))
     for run, allowed in (("runA", True), ("runB", False)):
         commit = offsets.alter_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(f"dora.{run}.scorer", [TopicPartition(topics.SCORED, 0, 0)])])
+            [ConsumerGroupTopicPartitions(f"dora.{run}.scorer", [TopicPartition(topics.in_run(run, topics.SCORED), 0,
+                                                                                0)])])
         if allowed:
             [f.result(30) for f in commit.values()]
         else:
@@ -187,13 +196,37 @@ def test_a_principal_of_one_run_cannot_commit_offsets_for_or_fence_another_runs_
         else:
             with pytest.raises(KafkaException, match="TRANSACTIONAL_ID_AUTHORIZATION_FAILED"):
                 p.init_transactions(30)
+        assert _read_error(broker, carol, topics.in_run(run, topics.TRAJECTORIES)) == (
+            None if allowed else "TOPIC_AUTHORIZATION_FAILED"), run
+
+
+def _read_error(broker: LocalBroker, security: ks.ClientSecurity, topic: str) -> str | None:
+    """The broker's refusal of reading ``topic`` as ``security`` (None: read to its end)."""
+    errors: list[KafkaError] = []
+    consumer = Consumer(ks.client_config(broker.bootstrap_servers, security=security, **{
+        "group.id": f"dora-reader-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False,
+        "enable.partition.eof": True, "auto.offset.reset": "earliest", "error_cb": errors.append}))
+    try:
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if errors:
+                return str(errors[0].name())
+            for msg in consumer.consume(10, 0.5):
+                if msg.error() is not None and msg.error().code() == KafkaError._PARTITION_EOF:
+                    return None
+                if msg.error() is not None:
+                    return str(msg.error().name())
+        raise AssertionError(f"reading {topic}: neither its end nor a refusal within 30 s")
+    finally:
+        consumer.close()
 
 
 def test_consumer_without_acls_fails_fast(broker: LocalBroker) -> None:
     mallory = user(broker, "mallory", MALLORY_PW)
     with ks.using(mallory):
         letters = DeadLetters(RecordProducer(broker.bootstrap_servers, "mallory"), "test", "r1")
-        consumer = RunConsumer(broker.bootstrap_servers, "r1", "scorer", {topics.SCORED: Trajectory}, letters)
+        consumer = RunConsumer(broker.bootstrap_servers, "r1", "scorer", {SCORED: Trajectory}, letters)
     t0 = time.monotonic()
     try:
         with pytest.raises(ks.KafkaSecurityError) as exc:
@@ -221,7 +254,7 @@ def test_no_password_in_logs_argv_or_reprs(broker: LocalBroker, caplog: pytest.L
     with caplog.at_level(logging.DEBUG):
         p = Producer(ks.client_config(broker.bootstrap_servers, security=alice, logger=librdkafka,
                                       debug="conf,security,broker"))
-        p.produce(topics.SCORED, b"x")
+        p.produce(SCORED, b"x")
         p.flush(30)
         p.poll(0.5)
     assert "sasl" in caplog.text.lower() and "SCRAM" in caplog.text  # the debug log did talk about auth
@@ -252,20 +285,20 @@ def test_secured_three_node_cluster(tmp_path: Path) -> None:
     with LocalCluster(tmp_path / "cluster", security=BrokerSecurity(), heap="384m") as cluster:
         admin_sec = cluster.client_security()
         admin = AdminClient(ks.client_config(cluster.bootstrap_servers, security=admin_sec))
-        for fut in admin.create_topics([NewTopic(t, 3, 3) for t in (topics.SCORED, topics.BATCHES)]).values():
+        for fut in admin.create_topics([NewTopic(t, 3, 3) for t in (SCORED, BATCHES)]).values():
             fut.result(timeout=30)
         sec_admin = cluster.admin()
         sec_admin.create_user("alice", ALICE_PW)
-        sec_admin.grant_role("alice", "scorer")
+        sec_admin.grant_role("alice", "scorer", run_id=RUN)
         alice = ks.ClientSecurity("SASL_SSL", username="alice", password=ALICE_PW,
                                   ca_file=cluster.nodes[0].secrets.ca_file)
         with ks.using(alice):
             producer = RecordProducer(cluster.bootstrap_servers, "cluster-alice")
             for i in range(6):
-                producer.send_raw(topics.SCORED, f"c{i}".encode(), f"k{i}".encode())
+                producer.send_raw(SCORED, f"c{i}".encode(), f"k{i}".encode())
             producer.flush(60)
             with pytest.raises(ks.KafkaSecurityError, match="TOPIC_AUTHORIZATION_FAILED"):
-                producer.send_raw(topics.BATCHES, b"x", b"k")  # not a scorer's topic
+                producer.send_raw(BATCHES, b"x", b"k")  # not a scorer's topic
                 producer.flush(60)
-        md = admin.list_topics(topics.SCORED, timeout=10).topics[topics.SCORED]
+        md = admin.list_topics(SCORED, timeout=10).topics[SCORED]
         assert all(len(p.replicas) == 3 and len(p.isrs) == 3 for p in md.partitions.values())

@@ -123,13 +123,12 @@ def assert_lag_is_kafka_tools(bootstrap: str, run_id: str) -> None:
                               if before.get(k) != theirs.get(k)}
 
 
-def trails_by_markers_only(bootstrap: str, live: tuple[Any, ...], tool: tuple[int, int, int]) -> bool:
+def trails_by_markers_only(bootstrap: str, batches: str, live: tuple[Any, ...], tool: tuple[int, int, int]) -> bool:
     """The trainer's position is at the end and the group's committed offset trails it by offsets that hold
     no committed record: transaction markers, which the trainer's poll steps over after it committed its
     offset inside its transaction (Kafka's tool then counts the marker as lag 1; the live lag is 0)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.read import read_range, reader_config
 
     position, high, committed = live[0], live[1], tool[0]
@@ -137,7 +136,7 @@ def trails_by_markers_only(bootstrap: str, live: tuple[Any, ...], tool: tuple[in
         return False
     consumer = Consumer(reader_config(bootstrap, f"markers-{time.time_ns()}"))
     try:
-        gap = read_range(consumer, TopicPartition(topics.BATCHES, 0), committed, int(position))
+        gap = read_range(consumer, TopicPartition(batches, 0), committed, int(position))
     finally:
         consumer.close()
     return not gap
@@ -151,7 +150,8 @@ def live_lag_is_kafka_tools(bootstrap: str, run_id: str, rdir: Path, trainer: st
     so the two ends differ by design) is let go and taken again."""
     from dora_rl.infra.kafka import topics
 
-    group, key = f"dora.{run_id}.trainer", {"topic": topics.BATCHES, "partition": "0"}
+    batches = topics.in_run(run_id, topics.BATCHES)
+    group, key = f"dora.{run_id}.trainer", {"topic": batches, "partition": "0"}
     assembler = int(json.loads((rdir / "pids.json").read_text())["assembler"])
     seen: list[Any] = []
     for _ in range(3):
@@ -161,11 +161,11 @@ def live_lag_is_kafka_tools(bootstrap: str, run_id: str, rdir: Path, trainer: st
                 fams = scrape(trainer)
                 live = tuple(value(fams, f, group=group, **key) for f in
                              ("dora_consumer_position", "dora_consumer_high_watermark", "dora_consumer_lag_records"))
-                tool = kafka_tool_lag(bootstrap, [group]).get((group, topics.BATCHES, 0))
+                tool = kafka_tool_lag(bootstrap, [group]).get((group, batches, 0))
                 seen.append((live, tool))
                 if tool is not None and live == tuple(float(x) for x in tool):
                     return
-                if tool is not None and trails_by_markers_only(bootstrap, live, tool):
+                if tool is not None and trails_by_markers_only(bootstrap, batches, live, tool):
                     return
                 time.sleep(1.0)
         finally:
@@ -178,8 +178,7 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     from dora_rl.config import DoraConfig
     from dora_rl.consumers.audit import audit_records, audit_run
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import TrainBatch
 
     cfg, out = tmp_path / "config.json", tmp_path / "summary.json"
@@ -220,10 +219,10 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
         cumulative = {int(float(s.labels["le"])): s.value for s in seen["dora_trainer_staleness"]
                       if s.name == "dora_trainer_staleness_bucket" and s.labels["le"] != "+Inf"}
         assert sorted(cumulative) == list(range(CONFIG["max_staleness"] + 1))  # buckets 0..S
-        lag = value(seen, "dora_consumer_lag_records", group=f"dora.{run_id}.trainer", topic=topics.BATCHES,
-                    partition="0")
+        lag = value(seen, "dora_consumer_lag_records", group=f"dora.{run_id}.trainer",
+                    topic=topics.in_run(run_id, topics.BATCHES), partition="0")
         assert lag is not None and lag >= 0, seen.get("dora_consumer_lag_records")
-        assert (value(seen, "dora_consumer_high_watermark", topic=topics.BATCHES) or 0) > 0
+        assert (value(seen, "dora_consumer_high_watermark", topic=topics.in_run(run_id, topics.BATCHES)) or 0) > 0
         assert value(seen, "dora_trainer_reward_mean") is not None
         assert (value(seen, "dora_trainer_trained_tokens", "dora_trainer_trained_tokens_total") or 0) > 0
 
@@ -232,8 +231,8 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
 
         # a rollout instance: lag on its request partition, its version, state and work
         inst = scrape(rollout)
-        lag = value(inst, "dora_consumer_lag_records", group=f"dora.{run_id}.rollout-0", topic=topics.REQUESTS,
-                    partition="0")
+        lag = value(inst, "dora_consumer_lag_records", group=f"dora.{run_id}.rollout-0",
+                    topic=topics.in_run(run_id, topics.REQUESTS), partition="0")
         assert lag is not None and lag >= 0, inst.get("dora_consumer_lag_records")
         assert (value(inst, "dora_instance_version", instance_id="rollout-0") or -1) >= 0
         states = {s.labels["state"]: s.value for s in inst["dora_instance_state"]}
@@ -266,9 +265,8 @@ def test_trainer_and_rollout_endpoints_during_a_run(bootstrap: str, dora_home: P
     # the histogram agrees with the audit over the same batches (the first `steps_scraped` steps)
     info = get_run(bootstrap, run_id)
     config = DoraConfig.from_json(info.config_json)
-    start = topic_start(offsets_map(info), topics.BATCHES)
     batches: dict[int, TrainBatch] = {}
-    for msg in read_all(bootstrap, topics.BATCHES, start):
+    for msg in read_run(bootstrap, info, topics.BATCHES):
         b = TrainBatch.decode(msg.value(), msg.headers())
         if b.run_id == run_id:
             batches.setdefault(int(b.train_step), b)

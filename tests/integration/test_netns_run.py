@@ -124,8 +124,7 @@ def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> 
     """Audit, holders, routes; returns the fetch lines of the rollout logs."""
     from dora_rl.consumers.audit import audit_run
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.infra.kafka.signing import signature_problem
     from dora_rl.roles import run_token
     from dora_rl.schemas.records import PolicyVersion
@@ -135,9 +134,9 @@ def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> 
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0
     assert sorted(claimed_indices(bootstrap, run_id).values()) == [0, 1]
-    offsets = offsets_map(get_run(bootstrap, run_id))
+    info = get_run(bootstrap, run_id)
     announcements = [PolicyVersion.decode(m.value(), m.headers()) for topic in (topics.VERSIONS, topics.HOLDERS)
-                     for m in read_all(bootstrap, topic, topic_start(offsets, topic))]  # the trainer's, the holders'
+                     for m in read_run(bootstrap, info, topic)]  # the trainer's, the holders'
     holders = {h for a in announcements if signature_problem(a, token, "announcement") is None for h in a.holders}
     lab_ips = {lab.ip(h) for h in ("trainer", "rollout-a", "rollout-b")}
     assert holders and {h.rsplit(":", 1)[0] for h in holders} <= lab_ips, f"holders {holders} not in {lab_ips}"
@@ -227,8 +226,7 @@ def find_secrets(secrets: list[str], run_id: str, bootstrap: str, roots: list[Pa
     (the secret stores themselves, ``keep_out`` and the broker's ``security/``, excepted), and every record
     (key, value, headers) of the run on every topic of the catalogue."""
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.io import read_all
-    from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
+    from dora_rl.infra.kafka.runs import get_run, read_run
 
     needles = [s.encode() for s in secrets if s]
     found: list[str] = []
@@ -242,10 +240,10 @@ def find_secrets(secrets: list[str], run_id: str, bootstrap: str, roots: list[Pa
             data = path.read_bytes()
             files += 1
             found += [f"{path}: secret #{i}" for i, n in enumerate(needles) if n in data]
-    start = offsets_map(get_run(bootstrap, run_id))
+    info = get_run(bootstrap, run_id)
     records = 0
     for spec in topics.catalogue():
-        for msg in read_all(bootstrap, spec.name, topic_start(start, spec.name)):
+        for msg in read_run(bootstrap, info, spec.name):
             records += 1
             blob = (msg.key() or b"") + (msg.value() or b"") + b"".join(v or b"" for _, v in (msg.headers() or []))
             found += [f"{spec.name}@{msg.partition()}:{msg.offset()}: secret #{i}"

@@ -42,10 +42,11 @@ def _inject_garbage_when_run_starts(bootstrap: str, known: set[str], out: dict[s
         if new:
             out["run_id"] = sorted(new)[-1]
             producer = RecordProducer(bootstrap, "garbage")
-            for topic, partition in INPUTS.items():
-                producer.send_raw(topic, b"\x07not avro at all", b"v0000000000/garbage", partition=partition)
+            for topic, partition in INPUTS.items():  # the run's own topics
+                producer.send_raw(topics.in_run(out["run_id"], topic), b"\x07not avro at all", b"v0000000000/garbage",
+                                  partition=partition)
             # a well-formed Avro body under the wrong schema header
-            producer.send_raw(topics.TRAJECTORIES, b"\x00", b"v0000000000/wrong",
+            producer.send_raw(topics.in_run(out["run_id"], topics.TRAJECTORIES), b"\x00", b"v0000000000/wrong",
                               [(codec.HEADER_SCHEMA, b"dora.v1.Metric")], partition=1)
             producer.flush()
             return
@@ -90,7 +91,7 @@ def test_audit_passes_for_the_sync_run(bootstrap: str, sync_run: dict[str, Any])
 def test_malformed_input_on_every_topic_is_dead_lettered(bootstrap: str, sync_run: dict[str, Any]) -> None:
     run_id = sync_run["run_id"]
     letters = []
-    for m in read_all(bootstrap, topics.DLQ):
+    for m in read_all(bootstrap, topics.in_run(run_id, topics.DLQ)):
         try:
             letters.append(DeadLetter.decode(m.value(), m.headers()))
         except codec.DecodeError:
@@ -114,7 +115,7 @@ def test_console_consumer_reads_trajectories_and_avsc_decodes_them(bootstrap: st
     run_id = sync_run["run_id"]
     # find one trajectory of this run (partition, offset) without decoding more than needed
     target = None
-    for msg in read_all(bootstrap, topics.TRAJECTORIES):
+    for msg in read_all(bootstrap, topics.in_run(run_id, topics.TRAJECTORIES)):
         if run_id.encode() in (msg.value() or b"") and dict(msg.headers() or []).get(codec.HEADER_SCHEMA) == \
                 b"dora.v1.Trajectory":
             target = (msg.partition(), msg.offset(), msg.value())
@@ -122,8 +123,9 @@ def test_console_consumer_reads_trajectories_and_avsc_decodes_them(bootstrap: st
     assert target is not None
     partition, offset, value = target
     cmd = java_command("org.apache.kafka.tools.consumer.ConsoleConsumer",
-                       ["--bootstrap-server", bootstrap, "--topic", topics.TRAJECTORIES, "--partition",
-                        str(partition), "--offset", str(offset), "--max-messages", "1", "--timeout-ms", "30000"],
+                       ["--bootstrap-server", bootstrap, "--topic", topics.in_run(run_id, topics.TRAJECTORIES),
+                        "--partition", str(partition), "--offset", str(offset), "--max-messages", "1",
+                        "--timeout-ms", "30000"],
                        lib=ensure_kafka_jars(), log4j2_config=tools_log4j2_config(), jvm_opts=TOOL_JVM_OPTS)
     proc = subprocess.run(cmd, capture_output=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -156,14 +158,13 @@ def test_replay_and_monitor_read_the_recorded_run(bootstrap: str, sync_run: dict
 
 def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, sync_run: dict[str, Any]) -> None:
     """Every new version reached the (single, never restarted) instance through the UCX channel."""
-    from dora_rl.infra.kafka.runs import get_run
+    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import Metric, PolicyVersion
 
     info = get_run(bootstrap, sync_run["run_id"])
     anns = []
     for m in (m for topic in (topics.VERSIONS, topics.HOLDERS)  # the trainer's; the instance's as a holder
-              for m in read_all(bootstrap, topic, {o.partition: o.offset for o in info.start_offsets
-                                                   if o.topic == topic})):
+              for m in read_run(bootstrap, info, topic)):
         try:
             anns.append(PolicyVersion.decode(m.value(), m.headers()))
         except codec.DecodeError:
@@ -174,8 +175,7 @@ def test_instances_switch_versions_over_ucx_without_restarting(bootstrap: str, s
     assert [a.version for a in anns] == [0, 1, 2, 3]
     assert served == [0, 1, 2]  # the instance serves every version it loaded (it is a holder too)
     assert {a.transport for a in anns} == {"ucx"} and all(a.buckets and a.tensors for a in anns)
-    mstart = {o.partition: o.offset for o in info.start_offsets if o.topic == topics.METRICS}
-    switches = [Metric.decode(m.value(), m.headers()) for m in read_all(bootstrap, topics.METRICS, mstart)]
+    switches = [Metric.decode(m.value(), m.headers()) for m in read_run(bootstrap, info, topics.METRICS)]
     switched = sorted(int(m.version or 0) for m in switches
                       if m.run_id == sync_run["run_id"] and m.component == "rollout-0" and m.name == "switch_s")
     assert switched == [0, 1, 2]  # versions 0..2 generated the three steps; one process did it all

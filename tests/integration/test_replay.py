@@ -246,7 +246,8 @@ def test_records_deleted_by_retention_are_refused_with_the_reason(bootstrap: str
 
     end = max(r.offset for r in source.raw(topics.PROMPTS)) + 1
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    for fut in admin.delete_records([TopicPartition(topics.PROMPTS, 0, end)]).values():
+    prompts = topics.in_run(source.run_info().run_id, topics.PROMPTS)
+    for fut in admin.delete_records([TopicPartition(prompts, 0, end)]).values():
         fut.result(30)
     with pytest.raises(RetentionDeleted, match=r"dora\.prompts\[0\].*retention deleted"):
         list(source.raw(topics.PROMPTS))

@@ -10,22 +10,32 @@ from __future__ import annotations
 import time
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import RecordProducer
 from dora_rl.infra.kafka.runs import end_offsets
 from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
+from dora_rl.infra.kafka.topic_admin import ensure_topics
 
 pytestmark = pytest.mark.broker
 
 
+def _state_end(bootstrap: str, run_id: str) -> int:
+    """The end offset of the run's ``dora.state`` (its topics made first, as ``start_run`` does)."""
+    ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), 4, run_id=run_id)
+    state = topics.in_run(run_id, topics.STATE)
+    return {(o.topic, o.partition): o.offset for o in end_offsets(bootstrap, run_id)}[(state, 0)]
+
+
 def test_a_fresh_start_does_not_read_before_its_run(bootstrap: str) -> None:
     producer = RecordProducer(bootstrap, "snapshot-test")
-    for i in range(600):  # an earlier run's history, with a record under the key the new run will look for
-        send_snapshot(producer, "old-run", f"p{i % 7}", i, b"x" * 2000)
+    _state_end(bootstrap, "new-run")
+    for i in range(600):  # history before the run began, with a record under the key the run will look for
+        send_snapshot(producer, "new-run", f"p{i % 7}", i, b"x" * 2000)
     send_snapshot(producer, "new-run", "orchestrator", 1, b"stale: written before the run began")
     producer.flush()
-    since = {(o.topic, o.partition): o.offset for o in end_offsets(bootstrap, [topics.STATE])}[(topics.STATE, 0)]
+    since = _state_end(bootstrap, "new-run")
 
     assert latest_snapshot(bootstrap, "new-run", "orchestrator") is not None, "the record is there to find"
     t0 = time.perf_counter()
@@ -69,11 +79,11 @@ def test_a_processor_restores_only_its_own_signed_snapshot(bootstrap: str) -> No
     """Decision 0054: anyone may write ``dora.state``. A record under a processor's key that does not decode, is
     unsigned, or is signed with another key is passed by; the newest snapshot signed with the run's token wins."""
     producer = RecordProducer(bootstrap, "snapshot-forgery")
-    since = {(o.topic, o.partition): o.offset for o in end_offsets(bootstrap, [topics.STATE])}[(topics.STATE, 0)]
+    since = _state_end(bootstrap, "signed-run")
     send_snapshot(producer, "signed-run", "assembler", 7, b"genuine", [("dora.rollout.scored", 0, 42)], "run-token")
     send_snapshot(producer, "signed-run", "assembler", 8, b"forged, signed elsewhere", (), "attacker")
     send_snapshot(producer, "signed-run", "assembler", 9, b"forged, unsigned")
-    producer.send_raw(topics.STATE, b"\x00garbage", b"signed-run/assembler", partition=0)
+    producer.send_raw(topics.in_run("signed-run", topics.STATE), b"\x00garbage", b"signed-run/assembler", partition=0)
     producer.flush()
     snap = latest_snapshot(bootstrap, "signed-run", "assembler", since=since, token="run-token")
     assert snap is not None and snap.commit == 7 and snap.state == b"genuine"

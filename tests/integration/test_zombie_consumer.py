@@ -15,6 +15,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
 from dora_rl.schemas.records import Metric
 
@@ -30,7 +31,8 @@ def records(consumer: RunConsumer, n: int, tries: int = 60) -> list[int]:
 
 
 def test_a_woken_zombie_is_fenced_and_leaves_its_replacement_alone(bootstrap: str) -> None:
-    run, topic = f"zombie-{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:12]}"
+    run = f"zombie-{uuid.uuid4().hex[:8]}"
+    topic = topics.in_run(run, topics.METRICS)  # a run's own topic, one partition (decision 0063)
     admin = AdminClient({"bootstrap.servers": bootstrap})  # kept referenced until the topic exists
     admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
     feeder = RecordProducer(bootstrap, "feeder")
@@ -42,12 +44,12 @@ def test_a_woken_zombie_is_fenced_and_leaves_its_replacement_alone(bootstrap: st
 
     zombie_p = RecordProducer(bootstrap, "trainer-a", **tid)
     zombie_p.init_transactions(30)
-    zombie_c = RunConsumer(bootstrap, run, "trainer", {topic: Metric}, dlq, assign=True)
+    zombie_c = RunConsumer(bootstrap, run, "trainer", {topics.METRICS: Metric}, dlq, assign=True)
     assert records(zombie_c, 1) == [0]  # ... then it pauses before committing
 
     live_p = RecordProducer(bootstrap, "trainer-b", **tid)
     live_p.init_transactions(30)  # fences the paused one
-    live_c = RunConsumer(bootstrap, run, "trainer", {topic: Metric}, dlq, assign=True)
+    live_c = RunConsumer(bootstrap, run, "trainer", {topics.METRICS: Metric}, dlq, assign=True)
     assert records(live_c, 1) == [0]  # nothing was committed: the replacement starts where the run did
 
     assert records(zombie_c, 1) == [1]  # the zombie wakes up, reads on, and tries to commit

@@ -11,7 +11,7 @@ import pytest
 
 from dora_rl.infra.broker.security import ROLES, BrokerSecurity, role_grants
 from dora_rl.infra.kafka import security as ks
-from dora_rl.infra.kafka.topics import catalogue
+from dora_rl.infra.kafka.topics import catalogue, in_run
 
 PW = "s3cret-Pa55word"
 
@@ -126,19 +126,36 @@ def test_redaction_filter_scrubs_log_records(caplog: pytest.LogCaptureFixture) -
 
 
 def test_role_grants_follow_the_catalogue() -> None:
-    writes = {r: {g.name for g in role_grants(r) if g.operation == "WRITE" and g.resource == "TOPIC"} for r in ROLES}
+    """Granted for run r1, a role writes exactly the r1 topics the catalogue names it a writer of, and reads only
+    r1's topics and the run registry (decision 0063); cluster-wide grants exist for the launcher and operator
+    alone."""
+    def grants(r: str, op: str, run_id: str | None = "r1") -> set[tuple[str, str]]:
+        return {(g.name, g.pattern) for g in role_grants(r, run_id) if g.operation == op and g.resource == "TOPIC"}
+
+    writes = {r: {name for name, _ in grants(r, "WRITE")} for r in ROLES}
     for spec in catalogue():
         for w in spec.writers:
             if w in writes:
-                assert spec.name in writes[w], (w, spec.name)
-    assert writes["scorer"] == {"dora.rollout.scored", "dora.dlq", "dora.metrics", "dora.state"}
-    assert writes["launcher"] == {"dora.runs", "dora.dlq"}
+                assert in_run("r1", spec.name) in writes[w], (w, spec.name)
+    assert writes["scorer"] == {"dora.r1.rollout.scored", "dora.r1.dlq", "dora.r1.metrics", "dora.r1.state"}
+    assert writes["launcher"] == {"dora.runs", "dora.r1.dlq"}
     # operators may re-feed a run (dora-rl replay refeed records a run and writes its batches)
-    assert writes["operator"] == {"dora.dlq", "dora.runs", "dora.train.batches"}
-    txn = {r for r in ROLES if any(g.resource == "TRANSACTIONAL_ID" for g in role_grants(r))}
+    assert writes["operator"] == {"dora.r1.dlq", "dora.runs", "dora.r1.train.batches"}
+    for r in ROLES:
+        assert grants(r, "READ") == {("dora.r1.", "PREFIXED"), ("dora.runs", "LITERAL")}, r
+        assert not any(name.startswith("dora.r1") and not name.startswith("dora.r1.") for name, _ in grants(r, "WRITE"))
+    assert grants("operator", "READ", None) == {("dora.", "PREFIXED")}
+    assert grants("operator", "WRITE", None) == {("dora.runs", "LITERAL")}  # a run's topics: granted per run
+    assert grants("launcher", "WRITE", None) == {("dora.runs", "LITERAL"), ("dora.", "PREFIXED")}
+    for r in set(ROLES) - {"launcher", "operator"}:
+        with pytest.raises(ValueError, match="granted for its run"):
+            role_grants(r)
+    txn = {r for r in ROLES if any(g.resource == "TRANSACTIONAL_ID" for g in role_grants(r, "r1"))}
     assert txn == {"dataset", "orchestrator", "scorer", "assembler", "trainer"}
     with pytest.raises(ValueError, match="unknown DORA role"):
         role_grants("root")
+    with pytest.raises(ValueError, match="run id"):
+        role_grants("trainer", "r1.evil")
 
 
 def test_run_scoped_grants_cover_the_roles_own_groups_and_transactions_only() -> None:
