@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +99,70 @@ def launch_run(bootstrap: str, dora_home: Path, tmp_path: Path, config: dict[str
         launcher.kill()
         raise
     return launcher, next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+
+
+OPEN_AND_STOP = """
+import os, signal, sys
+from confluent_kafka import Producer
+p = Producer({"bootstrap.servers": sys.argv[1], "transactional.id": sys.argv[2],
+              "transaction.timeout.ms": int(sys.argv[3]) * 1000})
+p.init_transactions(30)
+p.begin_transaction()
+for topic in sys.argv[4:]:
+    p.produce(topic, b"never committed", b"held", partition=0)
+assert p.flush(30) == 0
+print("open", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def _ends(bootstrap: str, topic: str) -> tuple[int, int]:
+    """(last stable offset, log end offset) of partition 0 of ``topic``: where a read-committed reader must stop,
+    and where the log ends."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    ends = []
+    for isolation in ("read_committed", "read_uncommitted"):
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dora-reader-ends-{uuid.uuid4().hex[:6]}",
+                             "isolation.level": isolation})
+        try:
+            ends.append(int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=15)[1]))
+        finally:
+            consumer.close()
+    return ends[0], ends[1]
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@contextlib.contextmanager
+def stalled_neighbour(bootstrap: str, held_s: int) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A run beside the caller's whose transactional producer wrote to every one of its topics and was SIGSTOPped
+    (a GC pause, a stopped container) with a transaction timeout of ``held_s``: until then no read-committed reader
+    passes those records. Yields the run's id and a check that it still holds its readers back (its batches' last
+    stable offset below their end, the producer stopped); kills the producer on exit (decision 0063)."""
+    from dora_rl.config import DoraConfig
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import start_run
+
+    run = start_run(bootstrap, DoraConfig.from_dict(emulated_run()), f"held-{uuid.uuid4().hex[:6]}").run_id
+    held = [topics.in_run(run, s.name) for s in topics.catalogue() if s.name not in topics.GLOBAL_TOPICS]
+    stopped = subprocess.Popen([sys.executable, "-c", OPEN_AND_STOP, bootstrap, f"dora.{run}.assembler",
+                                str(held_s), *held], stdout=subprocess.PIPE)
+    batches = topics.in_run(run, topics.BATCHES)
+    try:
+        assert stopped.stdout is not None and stopped.stdout.readline() == b"open\n"
+        wait_for(lambda: _state(stopped.pid) == "T", 10, "the neighbour's producer stopped")
+        stable, end = _ends(bootstrap, batches)
+        assert stable < end, "the neighbour's readers are held back by its open transaction"
+
+        def still_held() -> None:
+            assert _state(stopped.pid) == "T" and _ends(bootstrap, batches) == (stable, end), \
+                "the neighbour's transaction must stay open all along"
+
+        yield run, still_held
+    finally:
+        os.kill(stopped.pid, signal.SIGKILL)
+        stopped.wait(timeout=30)

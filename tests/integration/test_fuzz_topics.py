@@ -21,24 +21,34 @@ refuse them, decision 0060). ``dora.runs`` and
 ``dora.state`` get garbage too (read at start and by the audit, which must read past it; no role reads them
 live, so no letter is owed). Each reader group owes one dead letter per record it read: exactly the live
 readers of that topic (and partition) wrote one.
+
+Beside the run, all along, another run stalls: its transactional producer wrote to every one of its topics and
+was SIGSTOPped with a 5-minute transaction timeout (``run_helpers.stalled_neighbour``). Each run has topics of its
+own (decision 0063), so the fuzzed run must finish in well under that time. Then ``dora-rl runs --delete`` removes
+the finished run's topics and refuses the neighbour's (never ended).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
-from run_helpers import emulated_run, launch_run, steps_done, wait_for
+from run_helpers import emulated_run, launch_run, stalled_neighbour, steps_done, wait_for
 
 pytestmark = pytest.mark.broker
 
 CONFIG = emulated_run(steps=12, seed=17, max_new_tokens=64, emulated={"base_step_s": 0.06})
 
+
+NEIGHBOUR_HELD_S = 300
+"""The transaction timeout of the stalled run beside the fuzzed one: how long it would hold back a shared topic."""
 
 LAST_GROUP = CONFIG["steps"] * CONFIG["train_batch_size"] // CONFIG["group_size"] - 1
 """A group still queued when the records arrive (after the first step): a forged refusal of it must not lose it."""
@@ -110,6 +120,9 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
     from dora_rl.schemas.records import BatchPlan, DeadLetter, Metric, PolicyVersion, TrainBatch
 
     out = tmp_path / "summary.json"
+    neighbourhood = contextlib.ExitStack()  # a run beside this one, stalled in a transaction on all its topics
+    neighbour, still_held = neighbourhood.enter_context(stalled_neighbour(bootstrap, NEIGHBOUR_HELD_S))
+    t0 = time.monotonic()
     launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, CONFIG, json_out=out)
     run_id = rdir.name
     injected: list[tuple[str, int, int, str]] = []  # topic, partition, offset, kind
@@ -184,10 +197,14 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         code = launcher.wait(timeout=420)
         text = launcher.stdout.read().decode() if launcher.stdout else ""
         assert code == 0, text[-4000:]
+        took = time.monotonic() - t0
+        still_held()  # the neighbour's transaction stayed open for the whole run, which it did not delay:
+        assert took < NEIGHBOUR_HELD_S / 2, f"the run took {took:.0f}s beside a stalled run"  # (decision 0063)
     finally:
         if launcher.poll() is None:  # a failure before the end: stop the run as a user would (no orphans)
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=60)
+        neighbourhood.close()
     assert json.loads(out.read_text())["steps"] == CONFIG["steps"]
     report = audit_run(bootstrap, run_id, (rdir / "weight-token").read_text().strip(),
                        (rdir / "scorer-key").read_text().strip())
@@ -205,6 +222,26 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
              if letters.get((t, p, o), set()) != _readers(t, p, k)]
     assert not wrong, f"{len(wrong)} of {len(injected)} injected records lack a reader's dead letter: {wrong[:12]}"
     _assert_finite_training(bootstrap, run_id, dora_home)
+    _assert_topics_deleted_once_over(bootstrap, run_id, neighbour)
+
+
+def _assert_topics_deleted_once_over(bootstrap: str, run_id: str, neighbour: str) -> None:
+    """``dora-rl runs --delete``: the finished run's topics go (and ``runs`` says so); the neighbour, never ended
+    (STARTED), is refused."""
+    import subprocess
+    import sys
+
+    from dora_rl.infra.kafka.topic_admin import run_topic_names
+
+    runs = [sys.executable, "-m", "dora_rl", "runs", "--bootstrap-servers", bootstrap]
+    refused = subprocess.run([*runs, "--delete", neighbour], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "is not over" in refused.stderr, refused.stderr[-2000:]
+    deleted = subprocess.run([*runs, "--delete", run_id], capture_output=True, text=True, timeout=120)
+    assert deleted.returncode == 0, deleted.stderr[-2000:]
+    assert f"deleted {len(run_topic_names(run_id))} topics" in deleted.stdout, deleted.stdout
+    listed = subprocess.run(runs, capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert next(line for line in listed if line.startswith(run_id)).endswith("topics deleted"), listed
+    assert not next(line for line in listed if line.startswith(neighbour)).endswith("topics deleted"), listed
 
 
 def _recent_trajectories(bootstrap: str, run_id: str, n: int) -> list:  # type: ignore[type-arg]
