@@ -108,7 +108,7 @@ class RunWatch:
         self.outputs.setdefault(role, []).append(ts_ms / 1000)
 
     def poll(self, timeout: float = 0.5) -> None:
-        from dora_rl.infra.kafka.topics import spec
+        from dora_rl.infra.kafka.topics import catalogue_name, spec
         from dora_rl.schemas.codec import DecodeError
         from dora_rl.schemas.records import (
             RECORDS,
@@ -122,7 +122,7 @@ class RunWatch:
         for msg in self.consumer.consume(1000, timeout):
             if msg.error() is not None:
                 continue
-            topic = msg.topic() or ""
+            topic = catalogue_name(self.run_id, msg.topic() or "")  # the run's own topic (decision 0063)
             try:
                 rec = RECORDS[spec(topic).schema].decode(msg.value(), msg.headers())
             except (KeyError, DecodeError):
