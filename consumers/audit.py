@@ -81,8 +81,7 @@ from dora_rl.consumers.audit_checks import (
 )
 from dora_rl.consumers.replay.source import RecordSource, decoded
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import read_all
-from dora_rl.infra.kafka.runs import get_run
+from dora_rl.infra.kafka.runs import get_run, read_run
 from dora_rl.infra.kafka.signing import signature_problem
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem
 from dora_rl.schemas.codec import DecodeError
@@ -92,6 +91,7 @@ from dora_rl.schemas.records import (
     PolicyVersion,
     Record,
     RolloutRequest,
+    RunInfo,
     TokenChunk,
     TrainBatch,
     Trajectory,
@@ -410,14 +410,14 @@ def cross_check_c1(rep: AuditReport, trained: dict[str, int], chunks: list[Token
                         for tid, pairs in list(by_heartbeat.items())[:5])
 
 
-def _records(bootstrap: str, run_id: str, topic: str, cls: type[Record], start: dict[int, int]) -> list[Any]:
+def _records(bootstrap: str, info: RunInfo, topic: str, cls: type[Record]) -> list[Any]:
     out = []
-    for msg in read_all(bootstrap, topics.in_run(run_id, topic), start):
+    for msg in read_run(bootstrap, info, topic):
         try:
             rec = cls.decode(msg.value(), msg.headers())
         except DecodeError:
             continue
-        if getattr(rec, "run_id", None) == run_id:
+        if getattr(rec, "run_id", None) == info.run_id:
             out.append(rec)
     return out
 
@@ -429,17 +429,14 @@ def audit_run(bootstrap: str, run_id: str | None = None, token: str = "", scorer
     info = get_run(bootstrap, run_id)
     config = DoraConfig.from_json(info.config_json)
 
-    def start(topic: str) -> dict[int, int]:
-        return {o.partition: o.offset for o in info.start_offsets if o.topic == topics.in_run(info.run_id, topic)}
-
-    reqs = _records(bootstrap, info.run_id, topics.REQUESTS, RolloutRequest, start(topics.REQUESTS))
-    trajs = _records(bootstrap, info.run_id, topics.TRAJECTORIES, Trajectory, start(topics.TRAJECTORIES))
-    batches = _records(bootstrap, info.run_id, topics.BATCHES, TrainBatch, start(topics.BATCHES))
-    dlq = _records(bootstrap, info.run_id, topics.DLQ, DeadLetter, start(topics.DLQ))
-    versions = _records(bootstrap, info.run_id, topics.VERSIONS, PolicyVersion, start(topics.VERSIONS))
-    holders = _records(bootstrap, info.run_id, topics.HOLDERS, PolicyVersion, start(topics.HOLDERS))
-    chunks = _records(bootstrap, info.run_id, topics.TOKENS, TokenChunk, start(topics.TOKENS))
-    statuses = _records(bootstrap, info.run_id, topics.INSTANCES, InstanceStatus, start(topics.INSTANCES))
+    reqs = _records(bootstrap, info, topics.REQUESTS, RolloutRequest)
+    trajs = _records(bootstrap, info, topics.TRAJECTORIES, Trajectory)
+    batches = _records(bootstrap, info, topics.BATCHES, TrainBatch)
+    dlq = _records(bootstrap, info, topics.DLQ, DeadLetter)
+    versions = _records(bootstrap, info, topics.VERSIONS, PolicyVersion)
+    holders = _records(bootstrap, info, topics.HOLDERS, PolicyVersion)
+    chunks = _records(bootstrap, info, topics.TOKENS, TokenChunk)
+    statuses = _records(bootstrap, info, topics.INSTANCES, InstanceStatus)
     return audit_records(info.run_id, config, reqs, trajs, batches, dlq, versions, chunks, statuses, token, holders,
                          scorer_key)
 

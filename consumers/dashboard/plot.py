@@ -97,17 +97,14 @@ def plot_summary(bootstrap: str, summary: Mapping[str, Any], run_dir: Path, json
     paths = [run_dir / "summary.png"] + ([json_path.with_suffix(".png")] if json_path is not None else [])
     try:
         from dora_rl.infra.kafka import topics
-        from dora_rl.infra.kafka.io import read_all
-        from dora_rl.infra.kafka.runs import get_run
+        from dora_rl.infra.kafka.runs import get_run, read_run
         from dora_rl.schemas.codec import DecodeError
         from dora_rl.schemas.records import Metric
 
         run_id = str(summary["run_id"])
         info = get_run(bootstrap, run_id)
-        metrics_topic = topics.in_run(info.run_id, topics.METRICS)
-        start = {o.partition: o.offset for o in info.start_offsets if o.topic == metrics_topic}
         records = []
-        for msg in read_all(bootstrap, metrics_topic, start):
+        for msg in read_run(bootstrap, info, topics.METRICS):
             try:
                 records.append(Metric.decode(msg.value(), msg.headers()))
             except DecodeError:

@@ -31,7 +31,7 @@ from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import read_all
 from dora_rl.infra.kafka.keys import parse_key
 from dora_rl.infra.kafka.read import metadata, now_ms, reader_config, watermarks
-from dora_rl.infra.kafka.runs import get_run
+from dora_rl.infra.kafka.runs import get_run, offsets_map, topic_start
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import Record, RunInfo
 
@@ -125,7 +125,7 @@ class KafkaSource:
 
     def start(self, topic: str) -> dict[int, int]:
         """The run's start offset of every partition of (catalogue) ``topic``."""
-        return {o.partition: o.offset for o in self._info.start_offsets if o.topic == self._topic(topic)}
+        return topic_start(offsets_map(self._info), self._topic(topic))
 
     def check_retention(self, topic: str) -> None:
         """Raise :class:`RetentionDeleted` when retention deleted records of this run in ``topic``."""

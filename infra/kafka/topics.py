@@ -63,6 +63,7 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+@functools.cache
 def in_run(run_id: str, name: str) -> str:
     """The topic that holds catalogue topic ``name`` for run ``run_id``: ``dora.<run_id>.<name without
     'dora.'>`` (e.g. ``dora.r1.train.batches``), so a run's topics, consumer groups and transactional ids
