@@ -92,6 +92,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "kv_slots_off": {"instance_kv_tokens": 0},  # packing counts the engine's slots, not its KV room
     "levelling_off": {"consolidate_level": False},
     "pack_due": {"consolidate_unpack_due": False},
+    "due_kept": {"consolidate_free_empty_due": False},
 }
 """Each ``consolidate`` rule switched off in turn (``--ablate``), as ``bench/scheduler.py`` does."""
 

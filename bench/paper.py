@@ -113,7 +113,7 @@ class Setting:
     by default it is freed and work in flight is prefilled again, as verl's and Kimi's engines do)."""
     ablate: str = ""
     """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
-    again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``pack_due``,
+    again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``pack_due``, ``due_kept``,
     ``kv_admission_on``; empty: none."""
 
     @property
@@ -153,6 +153,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
         p = replace(p, kv_move_s_per_token=0.0)
     ablation = {"kv_slots_off": {"instance_kv_tokens": 0}, "levelling_off": {"consolidate_level": False},
                 "pack_due": {"consolidate_unpack_due": False},
+                "due_kept": {"consolidate_free_empty_due": False},
                 "kv_admission_on": {"consolidate_kv_admission": True}}.get(setting.ablate, {})
     n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group

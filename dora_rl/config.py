@@ -269,6 +269,10 @@ class DoraConfig:
     """``consolidate``: a version trained at the next step keeps its instances (its stragglers are not
     packed). Off: it is packed like any old version (an ablation switch)."""
 
+    consolidate_free_empty_due: bool = True
+    """``consolidate``: an instance of the version due at the next step that has no work left is freed at
+    once (decision 0064). Off: the due version keeps every instance it holds (an ablation switch)."""
+
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""
 

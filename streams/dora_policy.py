@@ -97,6 +97,7 @@ class DoraScheduler(Generic[P]):
         self.kv_tokens = config.instance_kv_tokens
         self.lengths = LengthMoments()  # completed trajectories' token counts (:mod:`.kv_room`)
         self.unpack_due = config.consolidate_unpack_due
+        self.free_empty_due = config.consolidate_free_empty_due
         self.kv_admission = config.consolidate_kv_admission
         self.level = config.consolidate_level
         self.slots = self.capacity  # requests one instance is given (``kv_slots`` with ``kv_admission``)
@@ -339,7 +340,10 @@ class DoraScheduler(Generic[P]):
         in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
         held = {v: len(h) for v, h in counts.members.items() if v >= 0}
         due = latest - self.bound.max_staleness if self.unpack_due else -1  # trained at the next step
-        quota = consolidated_quotas(in_flight, held, latest, n_live, need_slots, due=due)
+        loaded = ({v: sum(1 for i in h if counts.load.get(i, 0) > 0)
+                   for v, h in counts.members.items() if 0 <= v <= due}
+                  if self.free_empty_due else None)  # O(the due versions' instances)
+        quota = consolidated_quotas(in_flight, held, latest, n_live, need_slots, due=due, loaded=loaded)
         members: dict[int, Sequence[int]] = dict(counts.members)
         for v, holders in counts.members.items():
             if v >= 0 and quota.get(v, 0) < len(holders):

@@ -29,7 +29,8 @@ least one while it has work but holds none: its instances were lost); it gives o
 rest would stay below ``1 - hysteresis`` full. Oldest versions are served first (their work is due
 first); the newest version gets every other instance — there is no one-instance floor for anyone. The
 instances a version gives up are its least loaded (:func:`keep_order`), and their trajectories move,
-with their KV, to the version's other instances.
+with their KV, to the version's other instances. The version due at the next step is not packed (its
+stragglers are the batch's critical path), but an instance of it left with no work is freed at once.
 """
 
 from __future__ import annotations
@@ -76,16 +77,19 @@ def kv_slots(kv_tokens: int, moments: LengthMoments, max_num_seqs: int) -> int:
 
 
 def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], latest: int, n: int,
-                        slots: int, hysteresis: float = HYSTERESIS, due: int = -1) -> dict[int, int]:
+                        slots: int, hysteresis: float = HYSTERESIS, due: int = -1,
+                        loaded: Mapping[int, int] | None = None) -> dict[int, int]:
     """Instances per version: every old version with in-flight work as many as it needs (module
-    docstring), oldest first while instances last; ``latest`` the rest. ``sum == n``."""
+    docstring), oldest first while instances last; ``latest`` the rest. ``sum == n``. A version due at the
+    next step (``v <= due``) is never packed: it keeps every instance that decodes some of its work
+    (``loaded[v]`` of them; all it holds when ``loaded`` is None), and gives up those left empty."""
     quota: dict[int, int] = {}
     left = n
     for v in sorted(x for x in in_flight if x < latest and in_flight[x] > 0):
         has = held.get(v, 0)
         need = math.ceil(in_flight[v] / slots)
         slack = math.ceil(in_flight[v] / (slots * (1.0 - hysteresis)))  # keep while the rest would overfill
-        keep = has if v <= due else max(need, min(has, slack))  # due next step: never packed
+        keep = (has if loaded is None else loaded.get(v, 0)) if v <= due else max(need, min(has, slack))
         quota[v] = min(left, max(1, min(keep, has)))
         left -= quota[v]
     quota[latest] = quota.get(latest, 0) + left
@@ -100,10 +104,14 @@ def keep_order(holders: Sequence[int], load: Mapping[int, int]) -> list[int]:
 
 def excess(loads: Mapping[int, int], slack: float = 0.5, floor: int = 4) -> dict[int, int]:
     """Trajectories to move off each of one version's instances (``loads``: instance -> load) to level
-    them: those above ``ceil(total / instances) * (1 + slack) + floor``, down to the level. Empty when
-    every instance is within that band (moves are not worth their churn)."""
+    them, down to the level ``ceil(total / instances)``, when the spread is clear: some instance holds more
+    than ``level * (1 + slack) + floor``, or some holds less than ``level * (1 - slack) - floor`` (an
+    instance left nearly empty while the rest decode). Empty when every instance is within that band
+    (moves are not worth their churn)."""
     if not loads:
         return {}
     level = math.ceil(sum(loads.values()) / len(loads))
-    high = level * (1.0 + slack) + floor
-    return {i: n - level for i, n in loads.items() if n > high}
+    high, low = level * (1.0 + slack) + floor, level * (1.0 - slack) - floor
+    if max(loads.values()) <= high and min(loads.values()) >= low:
+        return {}
+    return {i: n - level for i, n in loads.items() if n > level}

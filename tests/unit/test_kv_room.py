@@ -61,10 +61,40 @@ def test_a_version_due_next_step_is_never_packed() -> None:
     assert consolidated_quotas({3: 10, 4: 10}, {3: 4, 4: 4, 5: 2}, 5, 10, 100, due=3) == {3: 4, 4: 1, 5: 5}
 
 
+def test_a_due_version_gives_up_the_instances_it_left_empty() -> None:
+    # 4 held, 2 of them decode its work: it keeps those 2 (not packed onto 1), the empty ones go
+    assert consolidated_quotas({3: 10, 4: 10}, {3: 4, 4: 4, 5: 2}, 5, 10, 100, due=3,
+                               loaded={3: 2}) == {3: 2, 4: 1, 5: 7}
+    # its work all moving (no instance decodes it): it still keeps one
+    assert consolidated_quotas({3: 10}, {3: 4, 5: 6}, 5, 10, 100, due=3, loaded={3: 0})[3] == 1
+
+
+@pytest.mark.parametrize("free_empty", [True, False])
+def test_the_scheduler_frees_an_empty_instance_of_the_due_version(free_empty: bool) -> None:
+    s: DoraScheduler[str] = DoraScheduler(_cfg(2, 64, consolidate_level=False,
+                                               consolidate_free_empty_due=free_empty))
+    for g in range(40):
+        s.add_prompt(f"g{g}", "p")
+    s.on_version(0, 0.0)
+    on = {d.trajectory_id: d.instance for d in s.dispatch()}
+    emptied = min(on.values())
+    for t, i in on.items():
+        if i == emptied:
+            s.on_completed(t)
+    s.on_version(2, 2.0)  # version 0 is now due at the next step (S = 2); the newest can take work
+    version = s.state.instance_version
+    assert version[emptied] == (2 if free_empty else 0)
+    assert all(version[i] == 0 for i in set(on.values()) - {emptied})  # those decoding it: not packed
+
+
 def test_the_least_loaded_are_freed_and_levelling_moves_only_a_clear_excess() -> None:
     assert keep_order([1, 2, 3, 4], {1: 5, 2: 50, 3: 5, 4: 20}) == [2, 4, 1, 3]
     assert excess({1: 100, 2: 0, 3: 2, 4: 2}) == {1: 74}  # level 26, high 26 * 1.5 + 4 = 43
     assert excess({1: 30, 2: 20, 3: 25}) == {}
+    # an instance left nearly empty while the rest decode: those above the level move down to it
+    assert excess({1: 48, 2: 0, 3: 48, 4: 48}) == {1: 12, 3: 12, 4: 12}  # level 36, low 36 * 0.5 - 4 = 14
+    assert excess({1: 48, 2: 15, 3: 48, 4: 48}) == {1: 8, 3: 8, 4: 8}  # level 40, low 16
+    assert excess({1: 48, 2: 17, 3: 48, 4: 48}) == {}  # level 41, low 16.5: within the band
     assert excess({}) == {}
 
 
