@@ -340,9 +340,8 @@ class DoraScheduler(Generic[P]):
         in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
         held = {v: len(h) for v, h in counts.members.items() if v >= 0}
         due = latest - self.bound.max_staleness if self.unpack_due else -1  # trained at the next step
-        loaded = ({v: sum(1 for i in h if counts.load.get(i, 0) > 0)
-                   for v, h in counts.members.items() if 0 <= v <= due}
-                  if self.free_empty_due else None)  # O(the due versions' instances)
+        loaded = ({v: len(h) - counts.idle.get(v, 0) for v, h in counts.members.items() if 0 <= v <= due}
+                  if self.free_empty_due else None)  # holders decoding its work, from the counts: O(versions)
         quota = consolidated_quotas(in_flight, held, latest, n_live, need_slots, due=due, loaded=loaded)
         members: dict[int, Sequence[int]] = dict(counts.members)
         for v, holders in counts.members.items():

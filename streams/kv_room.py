@@ -89,7 +89,10 @@ def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], l
         has = held.get(v, 0)
         need = math.ceil(in_flight[v] / slots)
         slack = math.ceil(in_flight[v] / (slots * (1.0 - hysteresis)))  # keep while the rest would overfill
-        keep = (has if loaded is None else loaded.get(v, 0)) if v <= due else max(need, min(has, slack))
+        if v <= due:  # due next step: never packed, but gives up the instances it left empty
+            keep = has if loaded is None else loaded.get(v, 0)
+        else:
+            keep = max(need, min(has, slack))
         quota[v] = min(left, max(1, min(keep, has)))
         left -= quota[v]
     quota[latest] = quota.get(latest, 0) + left
