@@ -199,9 +199,11 @@ def hand_back(inst: Instance, reader: RequestReader) -> None:
 
 
 def _gen_request(r: RolloutRequest) -> GenRequest:
-    versions = r.partial_versions
-    same = (len(r.partial_ids) > 0 and versions is not None and len(versions) == len(r.partial_ids)
-            and bool(np.all(versions == r.policy_version)))  # its KV was computed by these weights
+    """The engine's request for ``r``; ``kv_moved`` when its partial tokens were all written by its version
+    (their KV was computed by the weights it runs under)."""
+    versions = r.partial_versions  # None: every partial token is policy_version's (the schema's rule, C1)
+    same = len(r.partial_ids) > 0 and (versions is None or (
+        len(versions) == len(r.partial_ids) and bool(np.all(versions == r.policy_version))))
     return GenRequest(request_id=r.trajectory_id, prompt_ids=[int(i) for i in r.prompt_ids],
                       partial_ids=[int(i) for i in r.partial_ids],
                       partial_logprobs=[float(x) for x in r.partial_logprobs], max_new_tokens=int(r.max_new_tokens),
