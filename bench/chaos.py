@@ -5,10 +5,12 @@ broker, in one invocation: one untouched, one in which every role is SIGKILLed a
 seeded random schedule (spread over the run by training step) while named crash points fire once
 each (``infra/crashpoints.py``: trainer between update and announce and between announce and commit,
 orchestrator, assembler and scorer between producing their outputs — for the assembler a batch — and
-committing them, a rollout instance with a generation in flight), and every role goes through one
-SIGSTOP/SIGCONT *zombie episode* (below). Each run is audited (strict: nothing missing, nothing
-duplicated, staleness <= S, exact TBS, one checksum per version, every batch trained once): the
-chaos run's audit is the proof that no zombie published anything twice.
+committing them, a rollout instance with a generation in flight, and one resuming a moved trajectory with its
+KV rows fetched and not yet imported: the workload re-partitions by ``migrate``, so trajectories move between
+instances with their rows, decision 0065), and every role goes through one SIGSTOP/SIGCONT *zombie episode*
+(below). The KV moves of each run are counted from its metrics (``kv_moves``, ``kv_fallback`` by reason).
+Each run is audited (strict: nothing missing, nothing duplicated, staleness <= S, exact TBS, one checksum
+per version, every batch trained once): the chaos run's audit is the proof that no zombie published anything twice.
 
 Recovery time of a kill = the kill's wall time -> the role's first new output record in the log:
 the orchestrator's next committed snapshot on ``dora.state``, the trainer's next announcement on
@@ -72,12 +74,13 @@ from chaos_zombies import role_pid, zombie_episode, zombie_line  # bench/ is on 
 RESULTS = Path(__file__).resolve().parent / "results"
 KILL_WAIT_S = 60.0  # a scheduled kill waits this long for its role to be running again (e.g. after a crash point)
 CRASH_POINTS = ("trainer.after_update", "trainer.before_commit", "orchestrator.before_commit",
-                "assembler.before_commit", "scorer.before_commit", "rollout.in_flight")
+                "assembler.before_commit", "scorer.before_commit", "rollout.in_flight", "rollout.kv_transfer")
 
 WORKLOAD: dict[str, Any] = {
     "mode": "dora", "max_staleness": 2, "train_batch_size": 32, "group_size": 4, "rollout_batch_size": 96,
     "num_instances": 3, "instance_concurrency": 32, "max_new_tokens": 96, "engine": "emulated", "sft_steps": 0,
     "weight_transport": "tcp", "seed": 11, "ppo_epochs": 1, "minibatches": 1,
+    "repartition_policy": "migrate",  # trajectories move between instances, with their KV rows (decision 0065)
     "emulated": {"vocab": 59, "eos_id": 2, "base_step_s": 0.02, "cap_fraction": 0.1},
 }
 
@@ -282,6 +285,7 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
         k["recovery_s"] = round(min(later) - k["t_kill"], 3) if later else None
     summary = json.loads((home / "summary.json").read_text()) if (home / "summary.json").exists() else {}
     return {"exit_code": proc.returncode, "run_id": rdir.name, "kills": kills, "zombies": episodes,
+            "kv": kv_counts(bootstrap, rdir.name),
             "not_reached": not_reached, "missed_kills": missed, "summary": summary,
             "crash_points_fired": sorted(p.name.removeprefix("crashed.") for p in home.glob("crashed.*")),
             "timeline": {"t_launch": round(t_launch, 3),
@@ -293,7 +297,27 @@ def clean_run(bootstrap: str, home: Path, steps: int) -> dict[str, Any]:
     proc.wait()
     rdir = wait_run_dir(home, 5)
     summary = json.loads((home / "summary.json").read_text()) if (home / "summary.json").exists() else {}
-    return {"exit_code": proc.returncode, "run_id": rdir.name, "summary": summary}
+    return {"exit_code": proc.returncode, "run_id": rdir.name, "summary": summary,
+            "kv": kv_counts(bootstrap, rdir.name)}
+
+
+def kv_counts(bootstrap: str, run_id: str) -> dict[str, int]:
+    """Trajectories resumed (orchestrator), KV rows imported, and prefills instead by reason, from the run's metrics."""
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import get_run, read_run
+    from dora_rl.schemas.codec import DecodeError
+    from dora_rl.schemas.records import Metric
+
+    out: dict[str, int] = {}
+    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.METRICS):
+        try:
+            m = Metric.decode(msg.value(), msg.headers())
+        except DecodeError:
+            continue
+        if m.name in ("resumed", "kv_moves", "kv_fallback"):
+            key = m.name if m.name != "kv_fallback" else f"kv_fallback:{m.labels.get('reason', '')}"
+            out[key] = out.get(key, 0) + int(m.value)
+    return out
 
 
 def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:

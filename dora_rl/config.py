@@ -352,6 +352,12 @@ class DoraConfig:
         return self.mode == "dora" or self.mixes_versions
 
     @property
+    def moves_in_flight(self) -> bool:
+        """The orchestrator moves decoding trajectories between instances of their version (``migrate``,
+        ``consolidate``), so instances whose engine exports KV rows serve and fetch them (decision 0065)."""
+        return self.moves_work and self.repartition_policy != "drain"
+
+    @property
     def warmup_steps(self) -> int:
         """``sft_steps`` with its default resolved (150 for a ``tiny:`` model, else 0)."""
         if self.sft_steps is not None:

@@ -10,7 +10,8 @@ Points: ``trainer.after_update`` (weights updated, nothing announced), ``trainer
 (announcement produced in the open transaction, not committed), ``<processor>.before_commit``
 for ``orchestrator``, ``assembler`` and ``scorer`` (a stream processor's outputs — for the assembler
 a batch — and its snapshot produced, the transaction not committed), ``rollout.in_flight`` (a rollout
-instance in the middle of a generation call, right after producing a token chunk).
+instance in the middle of a generation call, right after producing a token chunk), ``rollout.kv_transfer``
+(an instance resuming a moved trajectory, its KV rows fetched and not yet in its engine).
 """
 
 from __future__ import annotations

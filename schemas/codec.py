@@ -33,11 +33,11 @@ HEADER_FINGERPRINT = "dora.schema.fp"
 #: Schema file per record name. Order matters: a schema may only reference names defined earlier.
 SCHEMA_FILES: dict[str, str] = {
     "dora.v1.Prompt": "prompt.avsc",
-    "dora.v1.RolloutRequest": "rollout_request.avsc",
+    "dora.v1.PolicyVersion": "policy_version.avsc",
     "dora.v1.TokenChunk": "token_chunk.avsc",
+    "dora.v1.RolloutRequest": "rollout_request.avsc",
     "dora.v1.Trajectory": "trajectory.avsc",
     "dora.v1.InstanceStatus": "instance_status.avsc",
-    "dora.v1.PolicyVersion": "policy_version.avsc",
     "dora.v1.TrainBatch": "train_batch.avsc",
     "dora.v1.DeadLetter": "dead_letter.avsc",
     "dora.v1.Metric": "metric.avsc",

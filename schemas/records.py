@@ -196,6 +196,44 @@ class Prompt(Record):
     created_ms: int = 0
 
 
+@dataclass(frozen=True)
+class TensorEntry(Record):
+    """One tensor inside a weight bucket (nested in :class:`PolicyVersion`)."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.TensorEntry"
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketEntry(Record):
+    """One contiguous weight bucket and its checksum (nested in :class:`PolicyVersion`)."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.BucketEntry"
+    index: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class KvTransfer(Record):
+    """Where a migrating trajectory's KV rows wait (nested in :class:`TokenChunk` and :class:`RolloutRequest`):
+    the exporting instance's holder serves them under ``transfer`` as the manifest these entries describe."""
+
+    SCHEMA: ClassVar[str] = "dora.v1.KvTransfer"
+    holder: str
+    transfer: int
+    total_bytes: int
+    checksum_algo: str
+    tensors: tuple[TensorEntry, ...] = nested(TensorEntry)
+    buckets: tuple[BucketEntry, ...] = nested(BucketEntry)
+    signature: str | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class RolloutRequest(Record):
     """Written by the orchestrator; read by rollout instances. Topic ``dora.rollout.requests``."""
@@ -218,6 +256,7 @@ class RolloutRequest(Record):
     max_new_tokens: int = 0
     dispatched_ms: int = 0
     partial_versions: np.ndarray | None = packed(I64, optional=True)
+    kv: KvTransfer | None = nested_one(KvTransfer)
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,6 +275,7 @@ class TokenChunk(Record):
     final: bool = False
     ts_ms: int = 0
     aborted: bool = False
+    kv: KvTransfer | None = nested_one(KvTransfer)
 
 
 @dataclass(frozen=True)
@@ -339,29 +379,6 @@ class InstanceStatus(Record):
     busy_s: float = 0.0
     ts_ms: int = 0
     incarnation: str = ""
-
-
-@dataclass(frozen=True)
-class TensorEntry(Record):
-    """One tensor inside a weight bucket (nested in :class:`PolicyVersion`)."""
-
-    SCHEMA: ClassVar[str] = "dora.v1.TensorEntry"
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    bucket: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class BucketEntry(Record):
-    """One contiguous weight bucket and its checksum (nested in :class:`PolicyVersion`)."""
-
-    SCHEMA: ClassVar[str] = "dora.v1.BucketEntry"
-    index: int
-    nbytes: int
-    checksum: str
 
 
 @dataclass(frozen=True)

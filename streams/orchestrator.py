@@ -180,8 +180,10 @@ class Orchestrator:
                 tv = self.segments.setdefault(mig.trajectory_id, [])
                 tv.extend([int(chunk.policy_version)] * (len(chunk.token_ids) - len(tv)))
                 extra = {"partial_versions": np.asarray(tv, dtype=np.int64)}
+            kv = chunk.kv if int(chunk.policy_version) == mig.version else None  # rows of its own version only
             req = self._request(self._prompt_of(mig.trajectory_id), mig.trajectory_id, mig.version, target,
-                                ctx).replace(partial_ids=chunk.token_ids, partial_logprobs=chunk.logprobs, **extra)
+                                ctx).replace(partial_ids=chunk.token_ids, partial_logprobs=chunk.logprobs, kv=kv,
+                                             **extra)
             ctx.emit(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
             self._metric(ctx, "resumed", 1)
             out += 1

@@ -245,13 +245,19 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                   key=group, partitioning="instance", retention_ms=week,
                   notes="Each instance reads only its own partition (no group rebalancing). The orchestrator "
                         "re-reads its own past requests on start so a prompt is never dispatched twice; the "
-                        "audit checks C1/C2 against them. A request with partial tokens is a migration."),
+                        "audit checks C1/C2 against them. A request with partial tokens is a migration; its `kv`, "
+                        "when set, names where the trajectory's KV rows wait (the exporting instance's weight "
+                        "holder, decision 0065): the instance fetches them only through a reference signed with "
+                        "the run's token, checks them against the record's checksums, and otherwise prefills, "
+                        "counting why (`kv_fallback` on `dora.metrics`)."),
         TopicSpec(TOKENS, num_partitions, "dora.v1.TokenChunk",
                   "token chunks as they are decoded; the aborted partial response of a migrating trajectory",
                   writers=("rollout",), readers=("orchestrator", "audit", "replay"),
                   key=group, partitioning="group_id", retention_ms=day,
                   notes="The orchestrator subscribes only in `dora` and `partial` mode, and uses only chunks "
-                        "with `aborted = true` (migration hand-off). The audit checks every chunk's version "
+                        "with `aborted = true` (migration hand-off); it copies an aborted chunk's `kv` (set when "
+                        "the engine exported the trajectory's KV rows: torch, emulated) into the resume request "
+                        "when the resume runs under the chunk's version. The audit checks every chunk's version "
                         "against its trajectory's (C1). No monitor reads this topic today."),
         TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
                   "completed trajectories (reward null), in completion order",

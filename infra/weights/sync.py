@@ -26,7 +26,7 @@ from dora_rl.infra.weights.announcements import sign
 from dora_rl.infra.weights.channel import make_weight_client, make_weight_server
 from dora_rl.infra.weights.fetcher import FetchStats
 from dora_rl.infra.weights.manifest import WeightManifest
-from dora_rl.schemas.records import PolicyVersion
+from dora_rl.schemas.records import KvTransfer, PolicyVersion
 
 
 class Publisher:
@@ -96,6 +96,14 @@ class Fetcher:
         stats: list[FetchStats] = []
         state = self._client.fetch(WeightManifest.from_announcement(ann), list(ann.holders), on_stats=stats.append)
         return state, stats[0]
+
+    def fetch_transfer(self, kv: KvTransfer) -> dict[str, torch.Tensor]:
+        """Fetch the tensors ``kv`` names (a migrating trajectory's KV rows) from its holder alone, each bucket
+        checked against the record's checksums; raises like any fetch."""
+        manifest = WeightManifest(kv.transfer, tuple(kv.tensors), tuple(kv.buckets), kv.total_bytes,
+                                  kv.checksum_algo)
+        manifest.validate()
+        return self._client.fetch(manifest, [kv.holder], probe_load=False)
 
     def close(self) -> None:
         """Release the client."""

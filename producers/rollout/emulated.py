@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
 
+    from .kv_rows import KvRows
+
 # -- the engine ------------------------------------------------------------------------------------
 
 
@@ -45,7 +47,7 @@ class _Seq:
 
     __slots__ = ("first", "i", "kv_in", "lps", "new_ids", "new_lps", "pos", "reported", "req", "toks")
 
-    def __init__(self, i: int, req: GenRequest, params: EmulatedParams) -> None:
+    def __init__(self, i: int, req: GenRequest, params: EmulatedParams, rows_fit: bool = False) -> None:
         self.i, self.req = i, req
         self.toks, self.lps = list(req.partial_ids), list(req.partial_logprobs)
         k = len(req.partial_ids)
@@ -56,7 +58,9 @@ class _Seq:
             self.new_ids, self.new_lps = [params.eos_id], [-0.1]
         self.pos = self.reported = 0
         self.first: float | None = None
-        self.kv_in = req.kv_moved and params.kv_move_s_per_token > 0  # its KV arrives once; a preemption loses it
+        # its KV arrives once (a preemption loses it): rows that came, or the model's move (kv_moved) when none were
+        # sent; rows that do not match its tokens are prefilled
+        self.kv_in = params.kv_move_s_per_token > 0 and (rows_fit if req.kv is not None else req.kv_moved)
 
     def initial_reason(self, aborted: bool, eos_id: int) -> FinishReason | None:
         if self.toks and self.toks[-1] == eos_id:
@@ -97,13 +101,17 @@ class EmulatedEngine:
         self._running = False
         self._abort_lock = threading.Lock()
         self._abort_ids: set[str] = set()
+        self._export_ids: set[str] = set()
         self._abort_epoch = 0
+        self.kv_imports = 0
+        self.kv_fallbacks = 0
         self._wake = threading.Event()
 
     # -- Engine protocol -------------------------------------------------------------------------
 
     fetches_weights = False
     serves_weights = False
+    exports_kv = True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Accept any state dict; wait for a running ``generate`` (C1), then spend ``load_s``."""
@@ -124,6 +132,14 @@ class EmulatedEngine:
     def decode(self, token_ids: list[int]) -> str:
         """Emulated tokens have no text."""
         return ""
+
+    def export(self, request_ids: Iterable[str]) -> bool:
+        """Abort these requests at once; a decoding one's result carries stand-in KV rows (:func:`stand_in_rows`:
+        its context's token ids), which an importing emulated engine checks against the resume's tokens."""
+        with self._abort_lock:
+            self._export_ids.update(request_ids)
+        self._wake.set()
+        return True
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Abort these requests (all requests of running calls if ``None``) at once.
@@ -156,6 +172,7 @@ class EmulatedEngine:
                     self._running = False
                     self._incoming.clear()  # a call that raised takes its joined requests with it
                     self._abort_ids.difference_update(ids)
+                    self._export_ids.difference_update(ids)
 
     def add(self, requests: Sequence[GenRequest]) -> bool:
         """Thread-safe continuous batching: admit ``requests`` into the running ``generate`` call.
@@ -184,8 +201,24 @@ class EmulatedEngine:
                 raise RuntimeError(f"emulated engine failure on {s.req.request_id} (fail_on)")
 
     def _aborted(self, epoch0: int) -> tuple[set[str], bool]:
+        """Ids to abort now (exported ones included) and whether every request is aborted."""
         with self._abort_lock:
-            return set(self._abort_ids), self._abort_epoch != epoch0
+            return self._abort_ids | self._export_ids, self._abort_epoch != epoch0
+
+    def _exported(self, request_id: str) -> bool:
+        with self._abort_lock:
+            return request_id in self._export_ids
+
+    def _kv_fits(self, req: GenRequest) -> bool:
+        """Whether ``req`` carries rows that are its context's (counted either way); None carried: False."""
+        if req.kv is None:
+            return False
+        fits = stand_in_tokens(req.kv) == [*req.prompt_ids, *req.partial_ids]
+        self.kv_imports += fits
+        self.kv_fallbacks += not fits
+        if not fits:
+            log.warning("%s: KV rows do not match its tokens: prefilled instead", req.request_id)
+        return fits
 
     def _wait_until(self, deadline: float) -> bool:
         """Sleep until ``deadline`` (monotonic) unless ``abort`` wakes us; True if woken."""
@@ -205,20 +238,21 @@ class EmulatedEngine:
         results: list[GenResult | None] = [None] * len(requests)
         wall_minus_mono = time.time() - time.monotonic()
 
-        def finish(s: _Seq, reason: FinishReason) -> None:
+        def finish(s: _Seq, reason: FinishReason, kv: KvRows | None = None) -> None:
             with self._abort_lock:  # an id is aborted once: a later request with it (a resume) runs
                 self._abort_ids.discard(s.req.request_id)
+                self._export_ids.discard(s.req.request_id)
             if s.pos > s.reported and on_chunk is not None:
                 on_chunk(s.req.request_id, s.new_ids[s.reported:s.pos], s.new_lps[s.reported:s.pos])
             s.reported = s.pos
             now = time.time()
             res = GenResult(s.req.request_id, s.toks + s.new_ids[:s.pos], s.lps + s.new_lps[:s.pos],
-                            reason, min(s.first, now) if s.first is not None else now, now)
+                            reason, min(s.first, now) if s.first is not None else now, now, kv)
             results[s.i] = res
             if on_finish is not None:
                 on_finish(res)
 
-        seqs = [_Seq(i, r, p) for i, r in enumerate(requests)]
+        seqs = [_Seq(i, r, p, self._kv_fits(r)) for i, r in enumerate(requests)]
         ids_ab, all_ab = self._aborted(epoch0)
         active: list[_Seq] = []
         waiting: list[_Seq] = []  # admitted by the caller, waiting for KV room (or preempted: recomputed)
@@ -257,7 +291,7 @@ class EmulatedEngine:
                     self._running = False  # from here on add() refuses: the caller starts a new call
                     break
             if incoming:
-                fresh = [_Seq(len(results) + j, r, p) for j, r in enumerate(incoming)]
+                fresh = [_Seq(len(results) + j, r, p, self._kv_fits(r)) for j, r in enumerate(incoming)]
                 results.extend([None] * len(fresh))
                 ids_ab, _ = self._aborted(epoch0)
                 for s in fresh:
@@ -268,10 +302,12 @@ class EmulatedEngine:
                         finish(s, reason)
             ids_ab, all_ab = self._aborted(epoch0)
             if all_ab or ids_ab:
-                for group in (active, waiting):
+                for group in (active, waiting):  # an exported one leaves with its rows if decoding (else it has none)
                     for s in [s for s in group if all_ab or s.req.request_id in ids_ab]:
                         group.remove(s)
-                        finish(s, "abort")
+                        moved = group is active and self._exported(s.req.request_id)
+                        finish(s, "abort", stand_in_rows([*s.req.prompt_ids, *s.toks, *s.new_ids[:s.pos]])
+                               if moved else None)
                 if not active and not waiting:
                     break
             t = admit(t)
@@ -314,3 +350,22 @@ class EmulatedEngine:
             active = still
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+
+def stand_in_rows(tokens: list[int]) -> KvRows:
+    """The emulated engine's KV rows of a context: its token ids (float32, ``[1, n, 1]``, one layer), so an
+    import can check it got this trajectory's rows over a real transfer (torch is imported here, on the first
+    export, never by an instance that moves nothing)."""
+    import torch
+
+    from .kv_rows import KvRows
+
+    ids = torch.tensor(tokens, dtype=torch.float32).view(1, -1, 1)
+    return KvRows((ids,), (ids.clone(),), torch.zeros(1))
+
+
+def stand_in_tokens(rows: KvRows) -> list[int]:
+    """The token ids :func:`stand_in_rows` wrote (``[]`` for rows of another shape)."""
+    if len(rows.keys) != 1 or rows.keys[0].dim() != 3 or rows.keys[0].shape[0] != 1 or rows.keys[0].shape[2] != 1:
+        return []
+    return [int(x) for x in rows.keys[0].flatten().tolist()]

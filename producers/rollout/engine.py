@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
 
+    from .kv_rows import KvRows
+
 FinishReason = Literal["stop", "length", "abort"]
 
 ChunkCallback = Callable[[str, list[int], list[float]], None]
@@ -44,7 +46,9 @@ class GenRequest:
     instance holding the same policy version; the engine continues after them. ``kv_moved``: every
     partial token was written by the version this request runs under, so an engine that can receive a
     KV cache over the network may take it instead of prefilling again (the emulated engine charges
-    ``kv_move_s_per_token`` when set; the torch and vLLM engines prefill again).
+    ``kv_move_s_per_token`` when set). ``kv``: the request's KV rows exported by another instance of
+    the same version (:meth:`~.torch_engine.TorchEngine.export`); an engine that can import them
+    continues from them without a prefill, else (or when they do not fit) it prefills, and counts why.
     """
 
     request_id: str
@@ -53,6 +57,7 @@ class GenRequest:
     partial_logprobs: list[float] = field(default_factory=list)
     max_new_tokens: int
     kv_moved: bool = False
+    kv: KvRows | None = None
 
     def __post_init__(self) -> None:
         if len(self.partial_ids) != len(self.partial_logprobs):
@@ -71,7 +76,8 @@ class GenResult:
     exactly ``max_new_tokens`` tokens; ``"abort"`` means the caller aborted it and ``token_ids`` is
     the partial response (resumable through ``GenRequest.partial_ids``). Timestamps are wall-clock
     epoch seconds (``time.time()``): ``first_token_s`` when this engine sampled its first new token
-    for the request (``finished_s`` if it sampled none), ``finished_s`` when it finished.
+    for the request (``finished_s`` if it sampled none), ``finished_s`` when it finished. ``kv``: an
+    ``"abort"`` of a request the caller exported carries its KV rows (to continue elsewhere).
     """
 
     request_id: str
@@ -80,6 +86,7 @@ class GenResult:
     finish_reason: FinishReason
     first_token_s: float
     finished_s: float
+    kv: KvRows | None = None
 
 
 class Engine(Protocol):
@@ -120,6 +127,9 @@ class Engine(Protocol):
     serves_weights: bool
     """Whether :meth:`weights_to_serve` returns the weights (so the instance can serve its version)."""
 
+    exports_kv: bool
+    """Whether :meth:`export` hands out KV rows (so the instance serves them, and fetches the rows a resume names)."""
+
     def load_version(self, announcement: PolicyVersion, fetcher: Fetcher | None) -> FetchStats | None:
         """Load the announced version's weights (the version-load hook; waits for a running
         ``generate``, C1). Returns the transfer's figures, or None when no bytes moved."""
@@ -131,6 +141,12 @@ class Engine(Protocol):
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of a response (up to, excluding, EOS); '' for engines without a tokenizer."""
+        ...
+
+    def export(self, request_ids: Iterable[str]) -> bool:
+        """Thread-safe: like :meth:`abort`, but each result carries the request's KV rows
+        (``GenResult.kv``) to continue on another instance of the same version; False (nothing done)
+        when this engine cannot export, and the caller aborts instead."""
         ...
 
 

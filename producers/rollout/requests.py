@@ -70,7 +70,6 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
     torch, so an emulated instance starts in a fraction of the time."""
     from dora_rl.policy_source import resolve_model
 
-    seed = config.seed * 1000 + index
     if config.engine == "emulated":
         from dora_rl.core.emulation import EmulatedParams, for_instance
 
@@ -84,7 +83,8 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
     if config.engine == "vllm":
         from .vllm_engine import VllmEngine
 
-        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature, seed=seed)
+        return VllmEngine(resolve_model(config.model, config.seed), temperature=config.temperature,
+                          seed=config.seed * 1000 + index)
     from dora_rl.modeling import keep_lm_head_fp32, load_policy
 
     from .torch_engine import TorchEngine
@@ -93,4 +93,7 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
     model, tok = load_policy(resolve_model(config.model, config.seed), dtype=dtype, device=config.device)
     if config.lm_head_fp32:
         keep_lm_head_fp32(model)
-    return TorchEngine(model, tok, temperature=config.temperature, seed=seed, static_cache=config.engine_static_cache)
+    # the run's seed, not the instance's: sampling streams are per request (.sampling), so a request moved
+    # with its KV rows continues on any instance exactly as it would have where it started
+    return TorchEngine(model, tok, temperature=config.temperature, seed=config.seed,
+                       static_cache=config.engine_static_cache)

@@ -15,12 +15,21 @@ call, so every row of it — joined ones included — is sampled from the weight
 (the caller adds only requests of the version it holds). The call returns when no row is left and
 nothing was added.
 
-Sampling: ``logp = log_softmax(logits.float() / temperature)``, ``token ~ Categorical(exp(logp))``,
-and the returned log-prob is ``logp[token]`` — exactly what
+Sampling: ``logp = log_softmax(logits.float() / temperature)``, ``token ~ Categorical(exp(logp))``
+drawn from the request's own stream (:mod:`.sampling`: keyed by the engine's ``seed``, the request id
+and the token's index in the response, so it does not depend on the batch or the instance), and the
+returned log-prob is ``logp[token]`` — exactly what
 :func:`dora_rl.consumers.trainer.grpo.sequence_logprobs` recomputes with the same weights and
 temperature (checked to 1e-4 in the tests, joined rows included). Re-prefilling ``prompt + partial``
 reproduces the same conditional distribution as the uninterrupted run, which is what makes migration
 exact.
+
+Moving with the KV cache (:mod:`.kv_rows`): :meth:`TorchEngine.export` takes running requests out of
+the batch at the next step boundary; each finishes with ``"abort"`` and its result carries its KV rows
+and next-token logits. A request that carries such rows (``GenRequest.kv``) joins a running batch of an
+engine holding the same version without a prefill, and, with the same ``seed``, continues with the same
+tokens as if it had not moved. Rows that do not fit this model are prefilled instead
+(``kv_fallbacks`` counts why).
 
 Finished rows stay in the batch for joining requests to take; once at least an eighth of the rows
 are finished for more than ``COMPACT_PATIENCE`` steps (or half at once) they are dropped (KV cache
@@ -37,8 +46,10 @@ key length). Same tokens and log-probs as the default mode, at the cost of atten
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,12 +59,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from dora_rl.modeling import attention_kernels, decode_completion, load_weights, state_dict_for_transfer
 
 from .engine import ChunkCallback, FinishCallback, FinishReason, GenRequest, GenResult, checked_ids
+from .kv_rows import KvRows, export_row, import_rows, unfit
+from .sampling import sample
 from .torch_batch import Batch, absorb, feed, mergeable, new_cache, prefill, select, trim
 
 if TYPE_CHECKING:
     from dora_rl.infra.weights.fetcher import FetchStats
     from dora_rl.infra.weights.sync import Fetcher
     from dora_rl.schemas.records import PolicyVersion
+
+log = logging.getLogger(__name__)
 
 COMPACT_PATIENCE = 4
 """Decode steps a batch keeps finished rows (an eighth or more, under half) for joining requests to
@@ -65,7 +80,8 @@ class TorchEngine:
 
     ``temperature`` must be > 0 (log-probs of the sampling distribution must exist). ``eos_id``
     defaults to the tokenizer's EOS; a sequence of ids means "stop at any of them". ``seed`` seeds
-    this engine's private ``torch.Generator`` (the global RNG is never used). ``prefill_tokens``
+    the per-request sampling streams (:mod:`.sampling`; the global RNG is never used): the instances of
+    a run share it, so a request continues identically wherever it moves. ``prefill_tokens``
     bounds the padded size of one prefill forward. Models whose KV cache layers cannot be merged
     (see :func:`.torch_batch.mergeable`) are batched statically (``add`` returns False).
     ``static_cache``: decode steps see a key width that changes rarely (see the module docstring;
@@ -103,10 +119,15 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.continuous = mergeable(new_cache(model))
         """Whether requests can join a running call (:meth:`add`)."""
-        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.seed = int(seed)
+        self.kv_imports = 0
+        """Requests that joined from their KV rows (no prefill)."""
+        self.kv_fallbacks: Counter[str] = Counter()
+        """Requests that carried KV rows and were prefilled instead, by reason (:func:`.kv_rows.unfit`)."""
         self._weights_lock = threading.Lock()  # held for a whole generate(): C1
         self._abort_lock = threading.Lock()  # also guards _incoming and _running
         self._abort_ids: set[str] = set()
+        self._export_ids: set[str] = set()
         self._abort_epoch = 0  # bumped by abort(None): aborts every call that started before
         self._incoming: list[GenRequest] = []  # added to the running call, not yet admitted
         self._running = False  # a call runs and still admits requests
@@ -115,6 +136,7 @@ class TorchEngine:
 
     fetches_weights = True
     serves_weights = True
+    exports_kv = True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace the weights in place; waits for a running ``generate`` to finish (C1)."""
@@ -153,6 +175,16 @@ class TorchEngine:
     def decode(self, token_ids: list[int]) -> str:
         return decode_completion(self.tokenizer, token_ids) if self.tokenizer is not None else ""
 
+    def export(self, request_ids: Iterable[str]) -> bool:
+        """Thread-safe: at the next step boundary these requests leave the running batch, each finishing
+        with ``"abort"`` and its KV rows in ``GenResult.kv`` (one not admitted yet leaves once it is;
+        one that finishes first finishes as usual). False (nothing asked) when rows cannot be moved."""
+        if not self.continuous:
+            return False
+        with self._abort_lock:
+            self._export_ids.update(request_ids)
+        return True
+
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Abort these requests (every request of running calls if ``None``) at the next step.
 
@@ -186,6 +218,7 @@ class TorchEngine:
                     self._running = False
                     self._incoming.clear()  # a call that raised takes the requests that joined it along
                     self._abort_ids.difference_update(r.request_id for r in run.requests)
+                    self._export_ids.difference_update(r.request_id for r in run.requests)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -202,9 +235,14 @@ class TorchEngine:
                 return None
             return incoming
 
+    def _exports(self) -> set[str]:
+        with self._abort_lock:
+            return set(self._export_ids)
+
     def _forget_abort(self, request_id: str) -> None:
-        with self._abort_lock:  # an id is aborted once: a later request with it (a resume) runs
+        with self._abort_lock:  # an id is aborted (exported) once: a later request with it (a resume) runs
             self._abort_ids.discard(request_id)
+            self._export_ids.discard(request_id)
 
 
 class _Run:
@@ -245,7 +283,7 @@ class _Run:
             self.results.append(None)
         return list(range(start, len(self.requests)))
 
-    def _finish(self, i: int, reason: FinishReason) -> None:
+    def _finish(self, i: int, reason: FinishReason, kv: KvRows | None = None) -> None:
         now = time.time()
         rid = self.requests[i].request_id
         if self.buf_t[i] and self.on_chunk is not None:
@@ -253,7 +291,7 @@ class _Run:
         self.buf_t[i], self.buf_l[i] = [], []
         first = self.first[i]
         res = GenResult(rid, self.tokens[i], self.logprobs[i], reason,
-                        first if first is not None else now, now)
+                        first if first is not None else now, now, kv)
         self.results[i] = res
         self.unfinished.discard(rid)
         self.eng._forget_abort(rid)
@@ -271,8 +309,9 @@ class _Run:
         return None
 
     def _admit(self, batch: Batch | None, fresh: list[int]) -> Batch | None:
-        """Finish the ``fresh`` requests that are already done (or aborted); prefill the others and
-        put them into ``batch``: in the rows of finished requests first, then appended."""
+        """Finish the ``fresh`` requests that are already done (or aborted); prefill the others (or
+        import their KV rows) and put them into ``batch``: in the rows of finished requests first, then
+        appended."""
         aborted, epoch = self.eng._abort_state()
         rows: list[int] = []
         for i in fresh:
@@ -281,14 +320,36 @@ class _Run:
                 rows.append(i)
             else:
                 self._finish(i, reason)
-        if not rows:
-            return batch
-        eng = self.eng
-        new = prefill(eng.model, [self.requests[i].prompt_ids + self.requests[i].partial_ids for i in rows],
-                      rows, eng.pad_id, eng.prefill_tokens, eng.static_cache)
-        if batch is None:
-            return new
-        return absorb(batch, new, [b for b, i in enumerate(batch.rows) if self.results[i] is not None])
+        moved = {i for i in rows if self._kv_fits(i)}
+        for new in self._joining([i for i in rows if i in moved], [i for i in rows if i not in moved]):
+            batch = new if batch is None else absorb(
+                batch, new, [b for b, i in enumerate(batch.rows) if self.results[i] is not None])
+        return batch
+
+    def _kv_fits(self, i: int) -> bool:
+        """Whether request ``i`` carries KV rows this engine can continue from (else it is prefilled,
+        the reason counted)."""
+        req, eng = self.requests[i], self.eng
+        if req.kv is None:
+            return False
+        why = unfit(eng.model, req.kv, len(req.prompt_ids) + len(req.partial_ids))
+        if why is not None:
+            eng.kv_fallbacks[why] += 1
+            log.warning("%s: KV rows do not fit this model (%s): prefilled instead", req.request_id, why)
+            return False
+        eng.kv_imports += 1
+        return True
+
+    def _joining(self, moved: list[int], cold: list[int]) -> list[Batch]:
+        """The batches that join: ``cold`` requests prefilled, ``moved`` ones from their KV rows."""
+        eng, out = self.eng, []
+        if cold:
+            out.append(prefill(eng.model, [self.requests[i].prompt_ids + self.requests[i].partial_ids
+                                            for i in cold], cold, eng.pad_id, eng.prefill_tokens, eng.static_cache))
+        if moved:
+            kvs = [self.requests[i].kv for i in moved]
+            out.append(import_rows(eng.model, [kv for kv in kvs if kv is not None], moved, eng.static_cache))
+        return out
 
     def run(self) -> list[GenResult]:
         batch: Batch | None = None
@@ -299,16 +360,28 @@ class _Run:
                 batch = self._admit(batch, indices)
             if batch is not None:
                 batch = self._step(batch)
+            if batch is not None:
+                self._export(batch)
             fresh = self.eng._take_incoming(idle=batch is None)
             indices = self._register(fresh) if fresh else []
         assert all(r is not None for r in self.results)
         return [r for r in self.results if r is not None]
 
+    def _export(self, batch: Batch) -> None:
+        """Finish the running requests asked for by :meth:`TorchEngine.export`, with their KV rows."""
+        wanted = self.eng._exports()
+        if not wanted:
+            return
+        for b, i in enumerate(batch.rows):
+            if self.results[i] is None and self.requests[i].request_id in wanted:
+                self._finish(i, "abort", export_row(batch, b))
+
     def _step(self, batch: Batch) -> Batch | None:
         """Sample one token for every row and feed it; None when no row is left."""
         eng = self.eng
         logp = torch.log_softmax(batch.logits.float() / eng.temperature, dim=-1)
-        nxt = torch.multinomial(logp.exp(), 1, generator=eng._gen)  # [B, 1]
+        nxt = sample(logp, eng.seed, [self.requests[i].request_id for i in batch.rows],
+                     [len(self.tokens[i]) for i in batch.rows])  # [B, 1]
         nlp = logp.gather(-1, nxt)[:, 0]
         now = time.time()
         aborted, epoch = eng._abort_state()

@@ -109,6 +109,7 @@ class VllmEngine:
 
     fetches_weights = True
     serves_weights = True
+    exports_kv = False
 
     def load_version(self, announcement: PolicyVersion, fetcher: Fetcher | None) -> FetchStats | None:
         """Fetch the announced version into fresh tensors, then reload them in place on the workers."""
@@ -128,6 +129,10 @@ class VllmEngine:
         from dora_rl.modeling import decode_completion
 
         return decode_completion(self.llm.get_tokenizer(), token_ids)
+
+    def export(self, request_ids: Iterable[str]) -> bool:
+        """vLLM exposes no KV rows per request: a moved request is prefilled again (prefix caching on)."""
+        return False
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Abort these requests (all running ones if None) at the next step."""

@@ -15,7 +15,9 @@ through the :class:`~.engine.Engine` protocol alone (``load_version``, ``weights
 ``decode``); :func:`.requests.make_engine` is the one place that knows the kinds.
 
 Migration: a CANCEL request aborts the trajectory here; its whole partial response is written as
-one ``TokenChunk`` with ``aborted = true`` (start 0) for the orchestrator to resume elsewhere.
+one ``TokenChunk`` with ``aborted = true`` (start 0) for the orchestrator to resume elsewhere. An engine
+that can export takes it out with its KV rows, which this instance's holder serves and the chunk names
+(:mod:`.kv_moves`); a resume naming rows fetches them, or prefills and counts why.
 
 Offsets are committed only below the oldest request not yet finished, so a crash re-generates,
 never loses, a trajectory (downstream consumers are idempotent on trajectory ids).
@@ -47,10 +49,11 @@ from dora_rl.infra.kafka.signing import signed
 from dora_rl.infra.observability import prom
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem, sign
 from dora_rl.infra.weights.protocol import WeightFetchError
-from dora_rl.schemas.records import InstanceStatus, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
+from dora_rl.schemas.records import InstanceStatus, KvTransfer, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
 
 from .engine import Engine, GenRequest, GenResult
 from .known_versions import KnownVersions
+from .kv_moves import KvInbox, KvOutbox
 from .poison import PoisonGuard
 from .requests import RequestReader, make_engine
 
@@ -83,6 +86,7 @@ class Instance:
         self.state = "STARTING"
         self.last_hb = 0.0
         self.endpoint = ""
+        self.kv_out: KvOutbox | None = None  # serves exported KV rows (an engine that exports, a holder)
 
     def heartbeat(self, force: bool = False) -> None:
         if not force and time.monotonic() - self.last_hb < self.config.heartbeat_s:
@@ -112,19 +116,20 @@ class Instance:
         self.heartbeat()
         crash_point("rollout.in_flight")
 
-    def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float]) -> None:
-        """Hand a cancelled trajectory back: its whole partial response, for migration."""
+    def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float], kv: KvTransfer | None = None) -> None:
+        """Hand a cancelled trajectory back: its whole partial response (and where its KV rows wait), for migration."""
         self.producer.send(self.out[topics.TOKENS], TokenChunk(
             run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id,
             policy_version=int(req.policy_version), instance_id=self.instance_id, start=0,
             token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32), final=True,
-            ts_ms=now_ms(), aborted=True), make_key(int(req.policy_version), req.group_id),
+            ts_ms=now_ms(), aborted=True, kv=kv), make_key(int(req.policy_version), req.group_id),
             partition=self._partition(req.group_id))
 
     def on_finish(self, res: GenResult) -> None:
         req = self.pending[res.request_id][1]
         if res.finish_reason == "abort":
-            self.aborted(req, list(res.token_ids), list(res.logprobs))
+            kv = self.kv_out.put(res.request_id, res.kv) if res.kv is not None and self.kv_out is not None else None
+            self.aborted(req, list(res.token_ids), list(res.logprobs), kv)
         else:
             tv: np.ndarray | None = None
             version = int(req.policy_version)
@@ -171,6 +176,7 @@ class InstanceHolder:
         self._server = make_weight_server(transport, token, ep.bind_host, recycle=True, advertised_host=ep.advertised,
                                           **ep.weight_transport_options(transport))
         self.endpoint = str(self._server.address)
+        self.kv = KvOutbox(self._server, token)
 
     def hold(self, version: int, weights: dict[str, Any], previous: int) -> PolicyVersion:
         if previous >= 0 and previous != version:
@@ -221,27 +227,36 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
     guard = PoisonGuard(bootstrap, run_id, f"rollout-{index}", producer, config.max_attempts,
                         state_since=start_offsets.get((topics.in_run(run_id, topics.STATE), 0), 0), token=token)
     inst = Instance(run_id, index, config, producer, eng.decode, guard, token)
-    fetcher = None
-    if eng.fetches_weights:  # imported here: the weight channel needs torch, an emulated instance does not
-        from dora_rl.infra.weights.sync import Fetcher
+    fetcher = kv_fetcher = None
+    moves_kv = eng.exports_kv and config.moves_in_flight and config.weight_transport in ("ucx", "tcp")
+    if eng.fetches_weights or moves_kv:  # imported here: the weight channel needs torch, an emulated instance
+        from dora_rl.infra.weights.sync import Fetcher  # imports it only to move KV rows
 
-        fetcher = Fetcher(config.weight_transport, token)
+        kv_fetcher = Fetcher(config.weight_transport, token)
+        fetcher = kv_fetcher if eng.fetches_weights else None
     holder = (InstanceHolder(config.weight_transport, run_id, token)
-              if config.weight_transport in ("ucx", "tcp") and eng.serves_weights else None)
+              if config.weight_transport in ("ucx", "tcp") and (eng.serves_weights or moves_kv) else None)
     inst.endpoint = holder.endpoint if holder is not None else ""
+    inst.kv_out = holder.kv if holder is not None and eng.exports_kv else None
     requests_start = start_offsets.get((topics.in_run(run_id, topics.REQUESTS), index), 0)
     reader = RequestReader(bootstrap, run_id, index, requests_start, inst_dlq)
     versions = RunConsumer(bootstrap, run_id, inst.instance_id,
                            {topics.VERSIONS: PolicyVersion, topics.HOLDERS: PolicyVersion}, inst_dlq,
                            start_offsets, group_suffix=f".versions.{now_ms()}")
     known = KnownVersions()
+    inbox = None if kv_fetcher is None or not eng.exports_kv else KvInbox(
+        kv_fetcher.fetch_transfer, token,
+        lambda name, v, why: metrics.emit(name, 1.0, None, v, **({"reason": why} if why else {})))
+
+    def engine_request(r: RolloutRequest) -> GenRequest:
+        return _gen_request(r) if inbox is None else inbox.with_rows(r, _gen_request(r))
     gen_thread: threading.Thread | None = None
     gen_error: list[BaseException] = []
 
     def generate(batch: list[RolloutRequest]) -> None:
         t0 = time.perf_counter()
         try:
-            eng.generate([_gen_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
+            eng.generate([engine_request(r) for r in batch], on_chunk=inst.on_chunk, chunk_tokens=16,
                          on_finish=inst.on_finish)
         except KafkaSecurityError as exc:  # a send from a callback was refused: the role's fault, not the input's
             gen_error.append(exc)
@@ -344,15 +359,16 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     if queued and entry is not None:
                         r = entry[1]
                         inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs])
-                    elif entry is not None:
-                        eng.abort([req.trajectory_id])
+                    elif entry is not None and not (inst.kv_out is not None and eng.export([req.trajectory_id])):
+                        eng.abort([req.trajectory_id])  # no rows to move: the resume prefills (vLLM, emulated)
+                        metrics.emit("kv_fallback", 1.0, version=int(req.policy_version), reason="engine")
                     continue
                 with inst.lock:
                     if req.trajectory_id not in inst.pending:
                         inst.pending[req.trajectory_id] = (offset, req)
             if gen_thread is not None and gen_thread.is_alive():
                 batch = starting(new_call=False)  # continuous batching: join the running call (same version)
-                if batch and not eng.add([_gen_request(r) for r in batch]):
+                if batch and not eng.add([engine_request(r) for r in batch]):
                     with inst.lock:
                         inst.running.difference_update(r.trajectory_id for r in batch)
                         inst.call_ids.difference_update(r.trajectory_id for r in batch)
@@ -381,6 +397,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     gen_thread = threading.Thread(target=generate, args=(batch,), daemon=True)
                     gen_thread.start()
             inst.heartbeat()
+            if inst.kv_out is not None:
+                inst.kv_out.expire()
     finally:
         leaving = stop()  # a graceful stop (SIGTERM), not a crash: hand the work back before exiting
         if gen_thread is not None and gen_thread.is_alive():
@@ -393,8 +411,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         producer.flush()
         prom.release_consumer(reader.consumer)
         versions.close()
-        if fetcher is not None:
-            fetcher.close()
+        if kv_fetcher is not None:
+            kv_fetcher.close()
         if holder is not None:
             holder.close()
         metrics.emit("generated_tokens", float(inst.tokens))

@@ -229,3 +229,30 @@ def test_a_moved_kv_cache_is_charged_as_bytes_not_a_prefill() -> None:
     assert spent["prefill"][1] == spent["kv"][1] == spent["no_cost"][1]
     assert spent["prefill"][0] - spent["kv"][0] == pytest.approx(63 * 1e-3 - 63 * 1e-6, rel=1e-6)
     assert spent["no_cost"][0] == pytest.approx(spent["prefill"][0])
+
+
+def test_an_exported_request_carries_rows_an_importer_checks_against_its_tokens() -> None:
+    """``export`` (decision 0065): a decoding request leaves with stand-in rows (its context's ids); an engine
+    that gets them with the resume charges the KV move; rows of another context are prefilled, and counted."""
+    from dora_rl.producers.rollout.emulated import stand_in_rows, stand_in_tokens
+
+    p = EmulatedParams(base_step_s=1e-5, prefill_s_per_token=1e-3, kv_move_s_per_token=1e-6, time_scale=0.0)
+    rid = _long_request_id(p, 512, 100)
+    full = EmulatedEngine(p).generate([_req(rid)])[0]
+    eng = EmulatedEngine(p)
+    assert eng.exports_kv
+    part = eng.generate([_req(rid)], chunk_tokens=16, on_chunk=lambda r, ids, lps: eng.export([r]))[0]
+    assert part.finish_reason == "abort" and part.kv is not None and 0 < len(part.token_ids) < len(full.token_ids)
+    assert stand_in_tokens(part.kv) == [5, 6, 7, *part.token_ids]
+    spent = {}
+    for name, rows in (("rows", part.kv), ("foreign", stand_in_rows([5, 6, 7, 1])), ("none", None)):
+        eng = EmulatedEngine(p)
+        req = GenRequest(request_id=rid, prompt_ids=[5, 6, 7], partial_ids=part.token_ids,
+                         partial_logprobs=part.logprobs, max_new_tokens=512, kv=rows)
+        out = eng.generate([req])[0]
+        assert out.token_ids == full.token_ids  # the same response wherever it continues
+        spent[name] = (eng.model_time_s, eng.kv_imports, eng.kv_fallbacks)
+    ctx = 3 + len(part.token_ids)
+    assert spent["rows"][1:] == (1, 0) and spent["foreign"][1:] == (0, 1) and spent["none"][1:] == (0, 0)
+    assert spent["foreign"][0] - spent["rows"][0] == pytest.approx(ctx * (1e-3 - 1e-6), rel=1e-6)
+    assert spent["none"][0] == pytest.approx(spent["foreign"][0])  # no rows and not kv_moved: a prefill

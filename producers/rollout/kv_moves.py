@@ -1,0 +1,141 @@
+"""A migrating trajectory's KV rows between two instances of one version (decision 0065): both ends.
+
+The exporting instance (:class:`KvOutbox`) serves the rows its engine exported on its own weight holder,
+under a negative transfer id (never a policy version), and names them in the :class:`KvTransfer` of the
+aborted chunk, signed with the run's token; the orchestrator copies that into the resume request. The importing instance
+(:func:`fetch_rows`) fetches them over the weight channel (the run's token, per-bucket checksums
+against the record's manifest, any transport) and hands them to its engine, or says why it will prefill.
+
+Invariants:
+
+- rows are exported by an instance holding the trajectory's version (C1) and named on a resume only under
+  that same version (the orchestrator's rule), so they are the KV the importer's weights would compute
+  (in the partial baseline too: its exporter had prefilled the older tokens under the version it holds);
+- they are fetched only through a reference signed with the run's token (:func:`kv_signature`): a
+  record written outside the run makes no connection, whatever address it names;
+- a transfer stays served ``KV_HOLD_S`` seconds after it was exported, and at most ``KV_HOLD_MAX``
+  transfers are held (the oldest retired first): a resume fetched later, or from a holder that died, falls
+  back to a prefill, never waits;
+- every fallback has one reason: ``signature`` (missing or wrong), ``fetch`` (refused, gone, corrupt),
+  ``format`` (not this trajectory's KV rows); the engine adds its own (:func:`.kv_rows.unfit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from dora_rl.infra.crashpoints import crash_point
+from dora_rl.schemas.records import KvTransfer, RolloutRequest
+
+from .engine import GenRequest
+
+if TYPE_CHECKING:  # torch only where rows exist: an emulated instance never imports it
+    import torch
+
+    from dora_rl.infra.weights.holder import WeightServer
+
+    from .kv_rows import KvRows
+
+log = logging.getLogger(__name__)
+
+KV_HOLD_S = 120.0
+"""Seconds an exported transfer stays served (a resume is dispatched at the orchestrator's next poll)."""
+KV_HOLD_MAX = 1024
+"""Transfers held at most per instance (the oldest retired first)."""
+
+
+def kv_signature(kv: KvTransfer, token: str) -> str:
+    """HMAC-SHA256 (hex), keyed by ``token``, of ``kv``'s fields as sorted compact JSON with signature null."""
+    body = json.dumps({**kv.to_avro(), "signature": None}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
+
+
+class KvOutbox:
+    """Exported rows served by this instance's holder until they expire."""
+
+    def __init__(self, server: WeightServer, token: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._server, self._token, self._clock = server, token, clock
+        self._held: deque[tuple[float, int]] = deque()  # (served at, transfer id), oldest first
+        self._next = -1
+
+    def put(self, request_id: str, rows: KvRows) -> KvTransfer:
+        """Serve ``rows`` of ``request_id``; the record naming them."""
+        from .kv_rows import to_tensors
+
+        self.expire()
+        transfer, self._next = self._next, self._next - 1
+        m = self._server.serve(transfer, to_tensors({request_id: rows}))
+        self._held.append((self._clock(), transfer))
+        kv = KvTransfer(holder=self._server.address, transfer=transfer, total_bytes=m.total_bytes,
+                        checksum_algo=m.checksum_algo, tensors=m.tensors, buckets=m.buckets)
+        return kv.replace(signature=kv_signature(kv, self._token))
+
+    def expire(self) -> None:
+        """Retire the transfers older than ``KV_HOLD_S``, and the oldest beyond ``KV_HOLD_MAX - 1``."""
+        now = self._clock()
+        while self._held and (now - self._held[0][0] > KV_HOLD_S or len(self._held) >= KV_HOLD_MAX):
+            self._server.retire(self._held.popleft()[1])
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+
+Fetch = Callable[[KvTransfer], Mapping[str, "torch.Tensor"]]
+"""Fetches the tensors a :class:`KvTransfer` names (raises on any failure)."""
+
+
+def fetch_rows(req: RolloutRequest, kv: KvTransfer, token: str, fetch: Fetch) -> tuple[KvRows | None, str]:
+    """The KV rows ``kv`` (named by ``req``) holds, or None and the reason ``req`` is prefilled (module
+    docstring); ``token``: the run's weight token, which signed ``kv``."""
+    if not hmac.compare_digest(kv.signature or "", kv_signature(kv, token)):
+        return None, "signature"
+    try:
+        tensors = fetch(kv)
+    except Exception as exc:  # the exporter died, expired the rows, or sent bytes that fail their checksum
+        log.warning("%s: KV rows not fetched from %s (transfer %d), prefilling instead: %s",
+                    req.trajectory_id, kv.holder, kv.transfer, exc)
+        return None, "fetch"
+    from .kv_rows import from_tensors
+
+    try:
+        rows = from_tensors(tensors)
+    except ValueError:
+        return None, "format"
+    got = rows.get(req.trajectory_id)
+    if got is None or len(rows) != 1:
+        return None, "format"
+    return got, ""
+
+
+class KvInbox:
+    """The importing side: a resume's engine request with the KV rows it names, fetched one at a time.
+
+    ``count(name, version, reason)``: the metric of each request naming rows (``kv_moves`` when they came,
+    ``kv_fallback`` with the reason when not).
+    """
+
+    def __init__(self, fetch: Fetch, token: str, count: Callable[[str, int, str], None]) -> None:
+        self._fetch, self._token, self._count = fetch, token, count
+        self._lock = threading.Lock()  # the main loop (joins) and the generation thread (new calls) both ask
+
+    def with_rows(self, r: RolloutRequest, req: GenRequest) -> GenRequest:
+        """``req`` (the engine request of ``r``) carrying the rows ``r`` names, when they can be had."""
+        if r.kv is None:
+            return req
+        v = int(r.policy_version)
+        with self._lock:
+            rows, why = fetch_rows(r, r.kv, self._token, self._fetch)
+        if rows is not None:  # the bytes moved, the engine has not taken them: a restart fetches them again
+            crash_point("rollout.kv_transfer")
+        self._count("kv_moves" if rows is not None else "kv_fallback", v, why)
+        return dataclasses.replace(req, kv=rows) if rows is not None else req
