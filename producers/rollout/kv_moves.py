@@ -14,7 +14,7 @@ Invariants:
 - they are fetched only through a reference signed with the run's token (:func:`kv_signature`): a
   record written outside the run makes no connection, whatever address it names;
 - a transfer stays served ``KV_HOLD_S`` seconds after it was exported, and at most ``KV_HOLD_MAX``
-  transfers are held (the oldest retired first): a resume fetched later, or from a holder that died, falls
+  transfers and ``KV_HOLD_BYTES`` bytes are held (the oldest retired first): a resume fetched later, or from a holder that died, falls
   back to a prefill, never waits;
 - every fallback has one reason: ``signature`` (missing or wrong), ``fetch`` (refused, gone, corrupt),
   ``format`` (not this trajectory's KV rows); the engine adds its own (:func:`.kv_rows.unfit`).
@@ -51,6 +51,8 @@ KV_HOLD_S = 120.0
 """Seconds an exported transfer stays served (a resume is dispatched at the orchestrator's next poll)."""
 KV_HOLD_MAX = 1024
 """Transfers held at most per instance (the oldest retired first)."""
+KV_HOLD_BYTES = 4 << 30
+"""Bytes of rows held at most per instance (a long context of a 1B model is ~100 MB of KV)."""
 
 
 def kv_signature(kv: KvTransfer, token: str) -> str:
@@ -64,30 +66,40 @@ class KvOutbox:
 
     def __init__(self, server: WeightServer, token: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._server, self._token, self._clock = server, token, clock
-        self._held: deque[tuple[float, int]] = deque()  # (served at, transfer id), oldest first
+        self._held: deque[tuple[float, int, int]] = deque()  # (served at, transfer id, bytes), oldest first
+        self._bytes = 0
         self._next = -1
 
     def put(self, request_id: str, rows: KvRows) -> KvTransfer:
         """Serve ``rows`` of ``request_id``; the record naming them."""
         from .kv_rows import to_tensors
 
-        self.expire()
+        self.expire(rows.nbytes)
         transfer, self._next = self._next, self._next - 1
         m = self._server.serve(transfer, to_tensors({request_id: rows}))
-        self._held.append((self._clock(), transfer))
+        self._held.append((self._clock(), transfer, m.total_bytes))
+        self._bytes += m.total_bytes
         kv = KvTransfer(holder=self._server.address, transfer=transfer, total_bytes=m.total_bytes,
                         checksum_algo=m.checksum_algo, tensors=m.tensors, buckets=m.buckets)
         return kv.replace(signature=kv_signature(kv, self._token))
 
-    def expire(self) -> None:
-        """Retire the transfers older than ``KV_HOLD_S``, and the oldest beyond ``KV_HOLD_MAX - 1``."""
+    def expire(self, incoming: int = 0) -> None:
+        """Retire the transfers older than ``KV_HOLD_S``, then the oldest until ``incoming`` more bytes and one
+        more transfer fit the caps (``incoming = 0``: only the age rule)."""
         now = self._clock()
-        while self._held and (now - self._held[0][0] > KV_HOLD_S or len(self._held) >= KV_HOLD_MAX):
-            self._server.retire(self._held.popleft()[1])
+        while self._held and (now - self._held[0][0] > KV_HOLD_S or (incoming and (
+                len(self._held) >= KV_HOLD_MAX or self._bytes + incoming > KV_HOLD_BYTES))):
+            _, transfer, nbytes = self._held.popleft()
+            self._server.retire(transfer)
+            self._bytes -= nbytes
 
     @property
     def held(self) -> int:
         return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
 
 
 Fetch = Callable[[KvTransfer], Mapping[str, "torch.Tensor"]]

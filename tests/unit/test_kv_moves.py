@@ -96,11 +96,17 @@ def test_expired_gone_corrupt_or_foreign_rows_fall_back_to_a_prefill(holder, fet
     assert kv_moves.fetch_rows(req, fresh, TOKEN, lambda k: {"w": torch.zeros(1)}) == (None, "format")
 
 
-def test_the_outbox_holds_at_most_its_cap(holder, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_outbox_holds_at_most_its_caps(holder, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_moves, "KV_HOLD_MAX", 3)
     out = kv_moves.KvOutbox(holder, TOKEN)
     ids = [out.put(f"r/p0/{i}", _rows()).transfer for i in range(5)]
     assert sorted(holder.versions) == sorted(ids[-3:])
+    out.expire()  # the age rule alone retires nothing young
+    assert out.held == 3
+    each = out.held_bytes // 3  # the same rows each time (packed with the channel's alignment)
+    monkeypatch.setattr(kv_moves, "KV_HOLD_BYTES", 2 * each + 100)
+    last = out.put("r/p0/9", _rows()).transfer
+    assert sorted(holder.versions) == sorted([ids[-1], last])  # two fit the bytes
 
 
 def test_the_inbox_counts_every_request_that_names_rows(holder, fetcher) -> None:
