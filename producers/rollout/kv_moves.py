@@ -14,8 +14,8 @@ Invariants:
 - they are fetched only through a reference signed with the run's token (:func:`kv_signature`): a
   record written outside the run makes no connection, whatever address it names;
 - a transfer stays served ``KV_HOLD_S`` seconds after it was exported, and at most ``KV_HOLD_MAX``
-  transfers and ``KV_HOLD_BYTES`` bytes are held (the oldest retired first): a resume fetched later, or from a holder that died, falls
-  back to a prefill, never waits;
+  transfers and ``KV_HOLD_BYTES`` bytes are held (the oldest retired first): a resume fetched later, or
+  from a holder that died, falls back to a prefill, never waits;
 - every fallback has one reason: ``signature`` (missing or wrong), ``fetch`` (refused, gone, corrupt),
   ``format`` (not this trajectory's KV rows); the engine adds its own (:func:`.kv_rows.unfit`).
 """
