@@ -80,7 +80,7 @@ class DoraScheduler(Generic[P]):
         self.steps = config.steps
         self.n = config.num_instances
         self.capacity = config.instance_concurrency
-        self.state = DoraState(instance_version=[-1] * self.n)
+        self.state = DoraState(self.n)
         self.planner = Planner(self.tbs, self.G, config.max_staleness, self.steps)
         self._prompts: deque[tuple[str, P]] = deque()
         self._resume = ResumeQueue()
@@ -123,7 +123,7 @@ class DoraScheduler(Generic[P]):
     def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
         t = self.state.trajs.get(trajectory_id)
         if t is not None:
-            t.done = True
+            self.state.finish(trajectory_id)
             if response_tokens is not None:
                 self.lengths.add(prompt_tokens, response_tokens)
 
@@ -139,7 +139,7 @@ class DoraScheduler(Generic[P]):
             return False
         cancels: dict[int, list[tuple[str, int]]] = {}
         for tid in tids:
-            t = self.state.trajs.pop(tid, None)
+            t = self.state.remove(tid)
             self.state.migrating.pop(tid, None)
             if t is not None and not t.done and t.instance >= 0:
                 cancels.setdefault(t.instance, []).append((tid, t.version))
@@ -153,7 +153,7 @@ class DoraScheduler(Generic[P]):
     def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         self.state.next_cut = max(self.state.next_cut, train_step + 1)
         for tid in trajectory_ids:
-            self.state.trajs.pop(tid, None)
+            self.state.remove(tid)
 
     def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
         """A trajectory's partial response came back (it runs nowhere now): queue its resumption.
@@ -167,16 +167,16 @@ class DoraScheduler(Generic[P]):
             return
         if expected is None and (instance is None or t.instance != instance):
             return
-        t.instance = -1
+        self.state.place(trajectory_id, -1)
         self._resume.append((Migration(trajectory_id, t.version, partial), t.version))
 
     def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
         """Instance ``instance`` was heard at ``now`` (rule 6): a newcomer or a returning instance joins
         at once (a re-partition gives it work); a leaving one is lost at once (its work moves now)."""
-        iv = self.state.instance_version
+        st = self.state
         if leaving:
             if self.members.leave(instance, now):
-                iv.extend([-1] * (self.members.size() - len(iv)))
+                st.grow(self.members.size())
                 log.warning("rollout-%d left (graceful stop)", instance)
                 self._lose(instance)
                 if self.state.latest >= 0:
@@ -184,12 +184,12 @@ class DoraScheduler(Generic[P]):
             return
         joined = self.members.hear(instance, now)
         size = self.members.extent  # size(), without a call: this runs once per heartbeat
-        if size > len(iv):
-            iv.extend([-1] * (size - len(iv)))
+        if size > len(st.instance_version):
+            st.grow(size)
         if joined:
             log.warning("rollout-%d joined (heard at %.1f): it gets work at this re-partition", instance, now)
-            iv[instance] = -1
-            self.state.draining.pop(instance, None)
+            st.hold(instance, -1)
+            st.stop_draining(instance)
             if self.state.latest >= 0:
                 self.repartition()
 
@@ -200,14 +200,14 @@ class DoraScheduler(Generic[P]):
     def _lose(self, instance: int) -> None:
         """Rule 6: ``instance`` stopped heartbeating; its in-flight work is queued to run again, from
         scratch, on an instance of the same version."""
-        self.state.instance_version[instance] = LOST
-        self.state.draining.pop(instance, None)
+        self.state.hold(instance, LOST)
+        self.state.stop_draining(instance)
         before = self.redispatched
-        for tid, t in self.state.trajs.items():
+        for tid, t in self.state.trajs.items():  # replacing a value: the dict's keys do not change
             cancelled_on = self.state.migrating.get(tid)  # a cancel sent there: its partial will not come
             if not t.done and (t.instance == instance or cancelled_on == instance):
                 self.state.migrating.pop(tid, None)
-                t.instance = -1
+                self.state.place(tid, -1)
                 self._resume.append((Migration(tid, t.version, None), t.version))
                 self.redispatched += 1
         log.warning("rollout-%d lost (left, or silent for over %.0fs): %d in-flight trajectories to generate again",
@@ -273,7 +273,7 @@ class DoraScheduler(Generic[P]):
         current = self.state.instance_version
         moves = assign(members, quota, latest, LOST)  # the free instances only: O(versions + moved)
         if self.drain:  # moved instances still decoding keep their version until empty (nothing cancelled)
-            self.state.draining = drain_moves(current, moves, counts.load)
+            self.state.drain(drain_moves(current, moves, counts.load))
             counts.emptied = set()  # every draining instance decodes now
         cancels: list[Cancel] = []
         trajs = self.state.trajs
@@ -287,7 +287,7 @@ class DoraScheduler(Generic[P]):
                     cancels.append(self._move_off(i, moving))
         for i, version in moves.items():
             if version != current[i]:
-                current[i] = version
+                self.state.hold(i, version)
         self._unchanged = (latest, quota, counts.epoch, self.slots)
         self.cancels.extend(cancels)
         if self._levelling():
@@ -296,10 +296,9 @@ class DoraScheduler(Generic[P]):
 
     def _move_off(self, instance: int, tids: tuple[str, ...]) -> Cancel:
         """Cancel ``tids`` on ``instance``; each resumes, with its partial, on an instance of its version."""
-        trajs = self.state.trajs
         for tid in tids:
             self.state.migrating[tid] = instance
-            trajs[tid].instance = -1
+            self.state.place(tid, -1)
         return Cancel(instance, tids)
 
     def _levelling(self) -> bool:
@@ -387,10 +386,9 @@ class DoraScheduler(Generic[P]):
         done = drained(st.draining, st.draining if emptied is None else emptied, st.counts.load,
                        set(self.live_versions()), st.latest)
         st.counts.emptied = set()
-        iv = st.instance_version
         for i, version in done.items():
-            del st.draining[i]
-            iv[i] = version
+            st.stop_draining(i)
+            st.hold(i, version)
             self.switches += 1
 
     def version_of(self, trajectory_id: str) -> int:
@@ -451,7 +449,7 @@ class DoraScheduler(Generic[P]):
                     break
                 self._resume.pop(key)
                 target, old = top[1], t.instance
-                t.version, t.instance = version, target
+                self.state.retag(mig.trajectory_id, version, target)
                 heaps[version].changed(target)
                 if 0 <= old < len(iv) and iv[old] in heaps:
                     heaps[iv[old]].changed(old)
@@ -482,14 +480,14 @@ class DoraScheduler(Generic[P]):
                     if top is None or top[0] > self.capacity:
                         break
                 group_id, prompt = self._prompts.popleft()
-                trajs, add, dispatched = st.trajs, self.planner.add, st.dispatched
+                add, dispatched = self.planner.add, st.dispatched
                 for i in range(self.G):
                     top = slots.top()  # most free slots, else least loaded (ties: lowest index)
                     assert top is not None  # the version is held by some instance
                     inst = top[1]
                     out.append(Dispatch(prompt, group_id, i, version, inst, dispatched // self.tbs))
                     tid = f"{group_id}/{i}"  # its trajectory_id
-                    trajs[tid] = TrajState(version, inst, group_id)
+                    st.add(tid, TrajState(version, inst, group_id))
                     slots.changed(inst)
                     dispatched += 1
                     add(tid, group_id, version)
@@ -504,5 +502,5 @@ class DoraScheduler(Generic[P]):
         out = self.planner.plans()
         for _, tids in out:
             for tid in tids:
-                self.state.trajs.pop(tid, None)
+                self.state.remove(tid)
         return out

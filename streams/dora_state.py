@@ -1,25 +1,27 @@
 """The DORA scheduler's state (:class:`DoraState`) and the counts it keeps in step with every change.
 
 :class:`DoraState` is everything the rules of :mod:`dora_rl.streams.dora_policy` read, and what a
-snapshot holds (:mod:`dora_rl.streams.scheduler_state`). Its ``trajs`` (a dict of :class:`TrajState`)
-and ``instance_version`` (a list) may be read, changed in place or replaced like a dict and a list.
+snapshot holds (:mod:`dora_rl.streams.scheduler_state`). Its trajectories (``trajs``: frozen
+:class:`TrajState` records), the version each instance holds (``instance_version``) and the draining
+instances (``draining``) are read-only views; they change only through its methods (``add``,
+``remove``, ``place``, ``retag``, ``finish``, ``hold``, ``grow``, ``hold_all``, ``drain``,
+``stop_draining``, ``restore``), each of which says what it changes.
 
 Invariant: ``DoraState.counts`` (:class:`_Counts`: load and placed trajectories per instance,
 in-flight work per version, holders and idle instances per version, each trajectory's position in
-``trajs`` order) always agrees with what a full recount (``_Counts.recount``) of ``trajs`` and
-``instance_version`` gives. Every change — a :class:`TrajState` field set, a trajectory set, popped
-or replaced, an instance's version assigned or appended — updates it in ``O(1)``; only a change that
-touches many entries at once (replacing a container, a slice, a sort) counts again. So the rules read
-counts instead of scanning every trajectory or instance (:mod:`.slot_heaps` places work with them).
+``trajs`` order) always agrees with what a full recount (``_Counts.recount``) of the state gives. Every
+method updates it in ``O(1)`` per entry it changes; only ``hold_all`` and ``restore`` count again. So the
+rules read counts instead of scanning every trajectory or instance (:mod:`.slot_heaps` places work with them).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 LOST = -2
 """``instance_version`` of an instance that stopped heartbeating (``streams/membership.py``)."""
@@ -29,32 +31,14 @@ TOUCHED_MAX = 1 << 16
 """Load changes :attr:`_Counts.touched` lists before it gives up (the reader then rebuilds its heaps)."""
 
 
-@dataclass(init=False)
+@dataclass(frozen=True, slots=True)
 class TrajState:
-    """What the scheduler tracks per unconsumed trajectory.
-
-    Once in a :class:`DoraState`'s ``trajs``, every change of a field keeps the state's counts
-    (:class:`_Counts`) in step."""
+    """What the scheduler tracks per unconsumed trajectory (changed by replacing it, through :class:`DoraState`)."""
 
     version: int
     instance: int
     group_id: str
     done: bool = False
-    _counts: ClassVar[_Counts | None] = None  # the counts of the state holding it (set per object)
-    _key: ClassVar[str] = ""  # its trajectory id there (set per object)
-
-    def __init__(self, version: int, instance: int, group_id: str, done: bool = False) -> None:
-        d = self.__dict__  # no state holds it yet: nothing to keep in step
-        d["version"], d["instance"], d["group_id"], d["done"] = version, instance, group_id, done
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        counts = self._counts
-        if counts is None:
-            self.__dict__[name] = value
-            return
-        counts.drop(self)
-        self.__dict__[name] = value
-        counts.put(self)
 
 
 class _Counts:
@@ -117,8 +101,8 @@ class _Counts:
             self.members.setdefault(v, []).append(i)
         self.idle = dict(Counter(v for i, v in enumerate(iv) if i not in load))
 
-    def put(self, t: TrajState) -> None:
-        """Count ``t`` (its current fields)."""
+    def put(self, tid: str, t: TrajState) -> None:
+        """Count trajectory ``tid`` as ``t``."""
         if t.done:
             return
         in_flight = self.in_flight
@@ -129,15 +113,15 @@ class _Counts:
             before = self.load.get(i, 0)
             self.load[i] = before + 1
             if before == 0:
-                self.placed[i] = {t._key}
+                self.placed[i] = {tid}
                 iv = self.state.instance_version
                 if i < len(iv):
                     self._bump(self.idle, iv[i], -1)
             else:
-                self.placed[i].add(t._key)
+                self.placed[i].add(tid)
 
-    def drop(self, t: TrajState) -> None:
-        """Uncount ``t`` (its current fields)."""
+    def drop(self, tid: str, t: TrajState) -> None:
+        """Uncount trajectory ``tid``, counted as ``t``."""
         if t.done:
             return
         self._bump(self.in_flight, t.version, -1)
@@ -146,7 +130,7 @@ class _Counts:
             self._touch(i)
             self._bump(self.load, i, -1)
             if i in self.load:
-                self.placed[i].discard(t._key)
+                self.placed[i].discard(tid)
             else:
                 del self.placed[i]
                 if self.emptied is not None:
@@ -177,146 +161,116 @@ class _Counts:
             self._bump(self.idle, version, n)
 
 
-class _Trajs(dict[str, TrajState]):
-    """``DoraState.trajs``: a dict whose changes keep the counts in step."""
+class DoraState:
+    """Everything the rules read; rebuilt from Kafka on restart by replaying the events (see the module
+    docstring: views to read, methods to change, counts kept in step)."""
 
-    def __init__(self, counts: _Counts, items: dict[str, TrajState]) -> None:
-        super().__init__(items)  # counted by the caller (``_Counts.recount``)
-        self.counts = counts
-        for key, t in self.items():
-            object.__setattr__(t, "_key", key)
-            object.__setattr__(t, "_counts", counts)
+    def __init__(self, instances: int = 0) -> None:
+        self.latest = -1
+        self.next_cut = 0
+        self.dispatched = 0
+        self.migrating: dict[str, int] = {}  # tid -> instance cancelled on, awaiting its partial
+        self._trajs: dict[str, TrajState] = {}
+        self._view = MappingProxyType(self._trajs)
+        self._iv: list[int] = [-1] * instances
+        self._draining: dict[int, int] = {}  # instance -> version it takes once empty (drain policy)
+        self._draining_view = MappingProxyType(self._draining)  # a new one per drain(): its id tells them apart
+        self.counts = _Counts(self)
+        self.counts.recount()
 
-    def __setitem__(self, key: str, t: TrajState) -> None:
-        counts = self.counts
-        if key in self:  # replaced in place: it keeps its position, as in a dict
-            old = dict.__getitem__(self, key)
-            counts.drop(old)
-            old.__dict__["_counts"] = None
+    @property
+    def trajs(self) -> Mapping[str, TrajState]:
+        """Unconsumed trajectories by id, in the order they were added (a read-only view)."""
+        return self._view
+
+    @property
+    def instance_version(self) -> Sequence[int]:
+        """The version each instance holds (-1: none yet, ``LOST``: gone)."""
+        return self._iv
+
+    @property
+    def draining(self) -> Mapping[int, int]:
+        """Draining instances (``drain`` policy) -> the version each takes once empty (a read-only view)."""
+        return self._draining_view
+
+    # -- trajectories ------------------------------------------------------------------------------
+
+    def add(self, tid: str, t: TrajState) -> None:
+        """Track ``tid`` as ``t``: a new one goes last; a known one is replaced where it stands."""
+        old = self._trajs.get(tid)
+        if old is None:
+            self.counts.pos[tid] = self.counts.next_pos
+            self.counts.next_pos += 1
         else:
-            counts.pos[key] = counts.next_pos
-            counts.next_pos += 1
-        dict.__setitem__(self, key, t)
-        d = t.__dict__
-        d["_key"], d["_counts"] = key, counts
-        counts.put(t)
+            self.counts.drop(tid, old)
+        self._trajs[tid] = t
+        self.counts.put(tid, t)
 
-    def __delitem__(self, key: str) -> None:
-        self.pop(key)
-
-    def pop(self, key: str, *default: Any) -> Any:
-        if key not in self:
-            return super().pop(key, *default)
-        t = dict.pop(self, key)
-        self.counts.drop(t)
-        del self.counts.pos[key]
-        t.__dict__["_counts"] = None
+    def remove(self, tid: str) -> TrajState | None:
+        """Stop tracking ``tid`` (consumed, withdrawn); what it was, or None if unknown."""
+        t = self._trajs.pop(tid, None)
+        if t is not None:
+            self.counts.drop(tid, t)
+            del self.counts.pos[tid]
         return t
 
-    def popitem(self) -> tuple[str, TrajState]:
-        key = next(reversed(self))
-        return key, self.pop(key)
+    def _change(self, tid: str, t: TrajState) -> None:
+        self.counts.drop(tid, self._trajs[tid])
+        self._trajs[tid] = t
+        self.counts.put(tid, t)
 
-    def clear(self) -> None:
-        for key in list(self):
-            self.pop(key)
+    def place(self, tid: str, instance: int) -> None:
+        """``tid`` now runs on ``instance`` (-1: on none: cancelled, lost, waiting to resume)."""
+        t = self._trajs[tid]
+        self._change(tid, TrajState(t.version, instance, t.group_id, t.done))
 
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for key, t in dict(*args, **kwargs).items():
-            self[key] = t
+    def retag(self, tid: str, version: int, instance: int) -> None:
+        """``tid`` resumes under ``version`` on ``instance``."""
+        t = self._trajs[tid]
+        self._change(tid, TrajState(version, instance, t.group_id, t.done))
 
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default
-        return self[key]
+    def finish(self, tid: str) -> None:
+        """``tid`` finished decoding (its instance is free of it)."""
+        t = self._trajs[tid]
+        self._change(tid, TrajState(t.version, t.instance, t.group_id, True))
 
-    def __ior__(self, other: Any) -> _Trajs:  # type: ignore[override,misc]
-        self.update(other)
-        return self
+    # -- instances ---------------------------------------------------------------------------------
 
+    def hold(self, instance: int, version: int) -> None:
+        """Instance ``instance`` holds ``version`` now."""
+        iv = self._iv
+        self.counts.hold(instance, iv[instance], -1)
+        iv[instance] = version
+        self.counts.hold(instance, version, 1)
 
-class _Versions(list[int]):
-    """``DoraState.instance_version``: a list whose changes keep the counts in step."""
+    def grow(self, instances: int) -> None:
+        """At least ``instances`` instances, the new ones holding no version yet."""
+        while len(self._iv) < instances:
+            self._iv.append(-1)
+            self.counts.hold(len(self._iv) - 1, -1, 1)
 
-    def __init__(self, counts: _Counts, items: list[int]) -> None:
-        super().__init__(items)
-        self.counts = counts
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        if isinstance(index, int):
-            i = index if index >= 0 else index + len(self)
-            self.counts.hold(i, self[i], -1)
-            super().__setitem__(i, value)
-            self.counts.hold(i, value, 1)
-            return
-        super().__setitem__(index, value)
+    def hold_all(self, versions: Sequence[int]) -> None:
+        """Every instance's version at once (``O(instances)``: counted again)."""
+        self._iv = list(versions)
         self.counts.recount_instances()
 
-    def append(self, value: int) -> None:
-        super().append(value)
-        self.counts.hold(len(self) - 1, value, 1)
+    def drain(self, draining: Mapping[int, int]) -> None:
+        """These instances drain (and no others), each then taking the version it maps to."""
+        self._draining = dict(draining)
+        self._draining_view = MappingProxyType(self._draining)
+        self.counts.emptied = None  # which of them emptied is unknown: the next switch scans them
+        self.counts.epoch += 1
 
-    def extend(self, values: Any) -> None:
-        for v in values:
-            self.append(v)
+    def stop_draining(self, instance: int) -> None:
+        """``instance`` drains no more (switched, joined again or lost)."""
+        self._draining.pop(instance, None)
 
-    def __iadd__(self, values: Any) -> _Versions:  # type: ignore[override,misc]
-        self.extend(values)
-        return self
-
-
-def _recounting(name: str) -> Any:
-    def method(self: _Versions, *args: Any, **kwargs: Any) -> Any:
-        out = getattr(list, name)(self, *args, **kwargs)
-        self.counts.recount_instances()
-        return out if name != "__imul__" else self
-    return method
-
-
-for _name in ("__delitem__", "insert", "pop", "remove", "clear", "sort", "reverse", "__imul__"):
-    setattr(_Versions, _name, _recounting(_name))
-
-
-@dataclass
-class DoraState:
-    """Everything the rules read; rebuilt from Kafka on restart by replaying the events.
-
-    ``trajs`` and ``instance_version`` may be read, changed in place or replaced like a dict and a list;
-    they keep :class:`_Counts` in step (what makes the rules cheap at thousands of instances)."""
-
-    latest: int = -1
-    next_cut: int = 0
-    dispatched: int = 0
-    trajs: dict[str, TrajState] = field(default_factory=dict)
-    instance_version: list[int] = field(default_factory=list)
-    migrating: dict[str, int] = field(default_factory=dict)  # tid -> instance cancelled on, awaiting its partial
-    draining: dict[int, int] = field(default_factory=dict)  # instance -> version it takes once empty (drain policy)
-
-    counts: ClassVar[_Counts]  # set per instance on the first assignment of trajs
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in ("trajs", "instance_version"):
-            object.__setattr__(self, name, value)
-            if name == "draining" and "counts" in self.__dict__:
-                self.counts.emptied = None  # which of them emptied is unknown: the next switch scans them
-                self.counts.epoch += 1
-            return
-        counts = self.__dict__.get("counts")
-        if counts is None:
-            counts = _Counts(self)
-            object.__setattr__(self, "counts", counts)
-            object.__setattr__(self, "trajs", _Trajs(counts, {}))
-            object.__setattr__(self, "instance_version", _Versions(counts, []))
-        if name == "trajs":
-            items = dict(value)
-            for t in self.__dict__["trajs"].values():
-                object.__setattr__(t, "_counts", None)
-            object.__setattr__(self, "trajs", _Trajs(counts, items))
-            counts.recount()
-        else:
-            object.__setattr__(self, "instance_version", _Versions(counts, list(value)))
-            counts.recount_instances()
-
+    def restore(self, trajs: Mapping[str, TrajState], versions: Sequence[int]) -> None:
+        """Trajectories and instance versions from a snapshot (counted again)."""
+        self._trajs = dict(trajs)
+        self._view = MappingProxyType(self._trajs)
+        self._iv = list(versions)
+        self.counts.recount()
 
 
 class ResumeQueue:

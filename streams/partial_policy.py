@@ -46,8 +46,8 @@ class PartialScheduler(DoraScheduler[P]):
             if not t.done and t.instance >= 0 and t.version < latest:
                 cancels.setdefault(t.instance, []).append(tid)
                 self.state.migrating[tid] = t.instance
-                t.instance = -1
-        self.state.instance_version = [v if v == LOST else latest for v in self.state.instance_version]
+                self.state.place(tid, -1)
+        self.state.hold_all([v if v == LOST else latest for v in self.state.instance_version])
         out = [Cancel(i, tuple(tids)) for i, tids in sorted(cancels.items())]
         self.cancels.extend(out)
         return out

@@ -78,10 +78,10 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
             raise ValueError(f"snapshot of a {d['kind']} scheduler cannot restore a DORA scheduler")
         st = s.state
         st.latest, st.next_cut, st.dispatched = int(d["latest"]), int(d["next_cut"]), int(d["dispatched"])
-        st.trajs = {t: TrajState(int(v), int(i), str(g), bool(done)) for t, (v, i, g, done) in d["trajs"].items()}
-        st.instance_version = [int(v) for v in d["instance_version"]]
+        st.restore({t: TrajState(int(v), int(i), str(g), bool(done)) for t, (v, i, g, done) in d["trajs"].items()},
+                   [int(v) for v in d["instance_version"]])
         st.migrating = {t: int(v) for t, v in d["migrating"].items()}
-        st.draining = {int(i): int(v) for i, v in d.get("draining", {}).items()}
+        st.drain({int(i): int(v) for i, v in d.get("draining", {}).items()})
         load_planner(s.planner, d["planner"])
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
         s._resume = ResumeQueue((Migration(t, int(v), None if partial is None else load(partial)), int(rv))

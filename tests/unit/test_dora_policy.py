@@ -185,9 +185,9 @@ def test_repartition_triggers_timer_and_pressure() -> None:
     assert sched.repartitions == n  # neither timer nor pressure
     sched.tick(111.0)
     assert sched.repartitions == n + 1  # the timer
-    sched.state.instance_version = [0, 1, 1]  # version 1's instances idle while version 0 is overloaded
-    for t in sched.state.trajs.values():
-        t.instance = 0
+    sched.state.hold_all([0, 1, 1])  # version 1's instances idle while version 0 is overloaded
+    for tid in list(sched.state.trajs):
+        sched.state.place(tid, 0)
     assert sched.pressure()
     sched.tick(112.0)
     assert sched.repartitions == n + 2

@@ -85,7 +85,7 @@ def test_counts_keep_members_and_emptied_in_step() -> None:
     iv = s.state.instance_version
     for v in set(iv):
         assert c.members[v] == [i for i, x in enumerate(iv) if x == v]
-    iv[0] = 3
+    s.state.hold(0, 3)
     assert c.members[3] == [0]
     c.emptied = set()
     for tid in list(c.placed.get(1, ())):
