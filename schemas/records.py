@@ -276,6 +276,7 @@ class TokenChunk(Record):
     ts_ms: int = 0
     aborted: bool = False
     kv: KvTransfer | None = nested_one(KvTransfer)
+    signature: str | None = None
 
 
 @dataclass(frozen=True)

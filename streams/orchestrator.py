@@ -144,6 +144,10 @@ class Orchestrator:
                 self.prompt_ref.pop(t.group_id, None)
         elif rec.topic == topics.INSTANCES:
             self.rules.on_heartbeat(int(r.instance_index), ctx.now(), leaving=r.state == "STOPPED")
+        elif rec.topic == topics.TOKENS and r.aborted and self.token and (
+                forged := signature_problem(r, self.token, f"the partial of {r.trajectory_id}")):
+            letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
+            ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # nothing resumes from it
         elif rec.topic == topics.TOKENS and r.aborted:
             self.partial_ref[r.trajectory_id] = rec.ref
             self.rules.on_aborted(r.trajectory_id, r, int(r.instance_id.rsplit("-", 1)[-1]))

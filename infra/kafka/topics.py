@@ -255,7 +255,8 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                   writers=("rollout",), readers=("orchestrator", "audit", "replay"),
                   key=group, partitioning="group_id", retention_ms=day,
                   notes="The orchestrator subscribes only in `dora` and `partial` mode, and uses only chunks "
-                        "with `aborted = true` (migration hand-off); it copies an aborted chunk's `kv` (set when "
+                        "with `aborted = true` (migration hand-off), and only those signed with the run's "
+                        "token (a forged one is dead-lettered); it copies an aborted chunk's `kv` (set when "
                         "the engine exported the trajectory's KV rows: torch, emulated) into the resume request "
                         "when the resume runs under the chunk's version. The audit checks every chunk's version "
                         "against its trajectory's (C1). No monitor reads this topic today."),

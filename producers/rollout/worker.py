@@ -117,12 +117,13 @@ class Instance:
         crash_point("rollout.in_flight")
 
     def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float], kv: KvTransfer | None = None) -> None:
-        """Hand a cancelled trajectory back: its whole partial response (and where its KV rows wait), for migration."""
-        self.producer.send(self.out[topics.TOKENS], TokenChunk(
+        """Hand a cancelled trajectory back: its whole partial response (and where its KV rows wait), for migration;
+        signed, as the orchestrator resumes no other."""
+        self.producer.send(self.out[topics.TOKENS], signed(TokenChunk(
             run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id,
             policy_version=int(req.policy_version), instance_id=self.instance_id, start=0,
             token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32), final=True,
-            ts_ms=now_ms(), aborted=True, kv=kv), make_key(int(req.policy_version), req.group_id),
+            ts_ms=now_ms(), aborted=True, kv=kv), self.token), make_key(int(req.policy_version), req.group_id),
             partition=self._partition(req.group_id))
 
     def on_finish(self, res: GenResult) -> None:

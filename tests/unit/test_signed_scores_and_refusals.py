@@ -20,6 +20,7 @@ from dora_rl.schemas.records import (
     PolicyVersion,
     Prompt,
     RolloutRequest,
+    TokenChunk,
     TrainBatch,
     Trajectory,
 )
@@ -91,6 +92,24 @@ def test_the_orchestrator_counts_no_completion_from_a_trajectory_no_instance_of_
     assert [(d.source_topic, d.source_offset, d.error_type) for d in letters] == [(topics.TRAJECTORIES, 9, "signature")]
     orch.process(InRecord(topics.TRAJECTORIES, 0, 10, None, signed(_traj(0, gid=gid), TOKEN)), ctx)
     assert not [o for o in ctx.take() if o.topic == topics.DLQ]
+
+
+@pytest.mark.parametrize("key", ["", "another run's token"])
+def test_the_orchestrator_resumes_no_partial_the_run_did_not_sign(key: str) -> None:
+    """An aborted chunk (a migrating trajectory's partial response, decision 0065) is resumed only when an
+    instance of the run signed it: a forged one would plant tokens of its writer's choice into a trajectory."""
+    orch, ctx, gid = _dispatched_orchestrator()
+    seen: list[str] = []
+    orch.rules.on_aborted = lambda tid, partial, instance=None: seen.append(tid)  # type: ignore[method-assign]
+    chunk = TokenChunk(run_id=RUN, trajectory_id=f"{gid}/0", group_id=gid, policy_version=0, instance_id="rollout-0",
+                       start=0, token_ids=np.asarray([9, 9], dtype=np.int32),
+                       logprobs=np.asarray([-0.1, -0.1], dtype=np.float32), final=True, aborted=True)
+    orch.process(InRecord(topics.TOKENS, 1, 4, None, signed(chunk, key) if key else chunk), ctx)
+    letters = [o.record for o in ctx.take() if o.topic == topics.DLQ]
+    assert not seen and [(d.source_topic, d.source_offset, d.error_type) for d in letters] == [
+        (topics.TOKENS, 4, "signature")]
+    orch.process(InRecord(topics.TOKENS, 1, 5, None, signed(chunk, TOKEN)), ctx)
+    assert seen == [f"{gid}/0"] and not [o for o in ctx.take() if o.topic == topics.DLQ]
 
 
 def _assemble(records: list[InRecord]) -> list[OutRecord]:
