@@ -62,28 +62,36 @@ def kv_signature(kv: KvTransfer, token: str) -> str:
 
 
 class KvOutbox:
-    """Exported rows served by this instance's holder until they expire."""
+    """Exported rows served by this instance's holder until they expire (thread-safe: the generation thread
+    puts, the main loop expires)."""
 
     def __init__(self, server: WeightServer, token: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._server, self._token, self._clock = server, token, clock
         self._held: deque[tuple[float, int, int]] = deque()  # (served at, transfer id, bytes), oldest first
         self._bytes = 0
         self._next = -1
+        self._lock = threading.Lock()
 
     def put(self, request_id: str, rows: KvRows) -> KvTransfer:
         """Serve ``rows`` of ``request_id``; the record naming them."""
         from .kv_rows import to_tensors
 
-        self.expire(rows.nbytes)
-        transfer, self._next = self._next, self._next - 1
-        m = self._server.serve(transfer, to_tensors({request_id: rows}))
-        self._held.append((self._clock(), transfer, m.total_bytes))
-        self._bytes += m.total_bytes
+        with self._lock:
+            self._expire(rows.nbytes)
+            transfer, self._next = self._next, self._next - 1
+            m = self._server.serve(transfer, to_tensors({request_id: rows}))
+            self._held.append((self._clock(), transfer, m.total_bytes))
+            self._bytes += m.total_bytes
         kv = KvTransfer(holder=self._server.address, transfer=transfer, total_bytes=m.total_bytes,
                         checksum_algo=m.checksum_algo, tensors=m.tensors, buckets=m.buckets)
         return kv.replace(signature=kv_signature(kv, self._token))
 
-    def expire(self, incoming: int = 0) -> None:
+    def expire(self) -> None:
+        """Retire the transfers older than ``KV_HOLD_S``."""
+        with self._lock:
+            self._expire(0)
+
+    def _expire(self, incoming: int) -> None:
         """Retire the transfers older than ``KV_HOLD_S``, then the oldest until ``incoming`` more bytes and one
         more transfer fit the caps (``incoming = 0``: only the age rule)."""
         now = self._clock()

@@ -198,8 +198,8 @@ def hand_back(inst: Instance, reader: RequestReader) -> None:
         queued = [r for rid, (_, r) in sorted(inst.pending.items()) if rid not in inst.running]
         for r in queued:
             inst.pending.pop(r.trajectory_id)
-    for r in queued:
-        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs])
+    for r in queued:  # a resume not started yet hands back the rows it named too (their exporter still holds them)
+        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs], r.kv)
     _, high = reader.consumer.get_watermark_offsets(reader.tp, timeout=10)
     reader.commit_before(high)
     log.info("leaving: %d queued requests handed back, request partition committed to %d", len(queued), high)
@@ -359,7 +359,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                             inst.pending.pop(req.trajectory_id)
                     if queued and entry is not None:
                         r = entry[1]
-                        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs])
+                        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs], r.kv)
                     elif entry is not None and not (inst.kv_out is not None and eng.export([req.trajectory_id])):
                         eng.abort([req.trajectory_id])  # no rows to move: the resume prefills (vLLM, emulated)
                         metrics.emit("kv_fallback", 1.0, version=int(req.policy_version), reason="engine")
