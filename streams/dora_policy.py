@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from dora_rl.config import DoraConfig
 
@@ -69,10 +69,25 @@ log = logging.getLogger(__name__)
 P = TypeVar("P")
 
 
-class DoraScheduler(Generic[P]):
-    """The DORA dispatch policy (see the module docstring; implements ``SchedulingRules``)."""
+class VersionRules(Protocol):
+    """What a mode decides about versions on the shared machinery: which version may take new work, how
+    instances are re-partitioned, and which version a moved trajectory resumes under. DORA's are
+    :class:`DoraScheduler`'s own; the partial-rollout baselines pass theirs
+    (:class:`~dora_rl.streams.partial_policy.PartialRules`), so no mode subclasses another."""
 
-    def __init__(self, config: DoraConfig) -> None:
+    def feasible(self, s: DoraScheduler[Any], version: int, n: int) -> bool: ...
+
+    def repartition(self, s: DoraScheduler[Any]) -> list[Cancel]: ...
+
+    def resume_version(self, s: DoraScheduler[Any], trajectory_id: str) -> int: ...
+
+
+class DoraScheduler(Generic[P]):
+    """The DORA dispatch policy (see the module docstring; implements ``SchedulingRules``); with
+    ``versions``, the same machinery under another mode's :class:`VersionRules`."""
+
+    def __init__(self, config: DoraConfig, versions: VersionRules | None = None) -> None:
+        self.versions = versions
         self.bound = config.staleness_bound
         self.tbs = config.train_batch_size
         self.rbs = config.rollout_batch_size
@@ -239,6 +254,8 @@ class DoraScheduler(Generic[P]):
 
     def feasible(self, version: int, n: int) -> bool:
         """Rules 1–3: window, RBS and total budget, and the EDF condition (``planning.feasible``)."""
+        if self.versions is not None:
+            return self.versions.feasible(self, version, n)
         st = self.state
         if version < 0 or not self.bound.in_window(st.latest, version):
             return False
@@ -248,6 +265,8 @@ class DoraScheduler(Generic[P]):
 
     def repartition(self) -> list[Cancel]:
         """Rule 5: reassign instances to live versions; returns the cancels it caused."""
+        if self.versions is not None:
+            return self.versions.repartition(self)
         self.repartitions += 1
         latest = self.state.latest
         if latest < 0:
@@ -424,6 +443,8 @@ class DoraScheduler(Generic[P]):
 
     def resume_version(self, trajectory_id: str) -> int:
         """Version a migrating trajectory resumes under: its own (C1)."""
+        if self.versions is not None:
+            return self.versions.resume_version(self, trajectory_id)
         return self.state.trajs[trajectory_id].version
 
     def resumes(self) -> list[tuple[Migration, int]]:

@@ -11,7 +11,7 @@ from typing import Any
 from dora_rl.config import DoraConfig
 
 from .dora_policy import DoraScheduler
-from .partial_policy import PartialScheduler
+from .partial_policy import partial_scheduler
 from .scheduling import Scheduler, SchedulingRules
 
 
@@ -20,5 +20,5 @@ def make_scheduler(config: DoraConfig) -> SchedulingRules[Any]:
     if config.mode == "dora":
         return DoraScheduler(config)
     if config.mixes_versions:
-        return PartialScheduler(config)
+        return partial_scheduler(config)
     return Scheduler(config)
