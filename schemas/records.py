@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import struct
 from dataclasses import dataclass, field
 from functools import cache
@@ -232,6 +233,11 @@ class KvTransfer(Record):
     tensors: tuple[TensorEntry, ...] = nested(TensorEntry)
     buckets: tuple[BucketEntry, ...] = nested(BucketEntry)
     signature: str | None = None
+
+    def unsigned_encoding(self) -> bytes:
+        """What its signature covers (``infra/kafka/signing.py``): its fields as sorted compact JSON with
+        signature null (a nested record has no wire encoding of its own)."""
+        return json.dumps({**self.to_avro(), "signature": None}, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True, eq=False)

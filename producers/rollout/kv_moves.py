@@ -23,9 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import json
 import logging
 import threading
 import time
@@ -34,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from dora_rl.infra.crashpoints import crash_point
+from dora_rl.infra.kafka.signing import mac, signature_problem, signed
 from dora_rl.schemas.records import KvTransfer, RolloutRequest
 
 from .engine import GenRequest
@@ -56,9 +54,8 @@ KV_HOLD_BYTES = 4 << 30
 
 
 def kv_signature(kv: KvTransfer, token: str) -> str:
-    """HMAC-SHA256 (hex), keyed by ``token``, of ``kv``'s fields as sorted compact JSON with signature null."""
-    body = json.dumps({**kv.to_avro(), "signature": None}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
+    """The run's signature of ``kv`` (``infra/kafka/signing.mac`` over ``KvTransfer.unsigned_encoding``)."""
+    return mac(kv, token)
 
 
 class KvOutbox:
@@ -84,7 +81,7 @@ class KvOutbox:
             self._bytes += m.total_bytes
         kv = KvTransfer(holder=self._server.address, transfer=transfer, total_bytes=m.total_bytes,
                         checksum_algo=m.checksum_algo, tensors=m.tensors, buckets=m.buckets)
-        return kv.replace(signature=kv_signature(kv, self._token))
+        return signed(kv, self._token)
 
     def expire(self) -> None:
         """Retire the transfers older than ``KV_HOLD_S``."""
@@ -117,7 +114,7 @@ Fetch = Callable[[KvTransfer], Mapping[str, "torch.Tensor"]]
 def fetch_rows(req: RolloutRequest, kv: KvTransfer, token: str, fetch: Fetch) -> tuple[KvRows | None, str]:
     """The KV rows ``kv`` (named by ``req``) holds, or None and the reason ``req`` is prefilled (module
     docstring); ``token``: the run's weight token, which signed ``kv``."""
-    if not hmac.compare_digest(kv.signature or "", kv_signature(kv, token)):
+    if signature_problem(kv, token, f"the KV reference of {req.trajectory_id}") is not None:
         return None, "signature"
     try:
         tensors = fetch(kv)
