@@ -6,13 +6,14 @@ Drives the rules the orchestrator runs (``make_scheduler``: ``dora_policy``, ``p
 long-tailed time (log-normal, p99/p50 = 12, capped at 5x the median; a cancelled one keeps its
 progress), a trainer taking ``--step-time-s`` per batch before it publishes the next version.
 Events reach the rules as ``KafkaDriver`` delivers them: polls of at most 500 records or 0.05 s,
-each followed by a punctuate (``tick``, ``dispatch``, ``take_cancels`` with the instances'
-``on_aborted``, ``resumes``, ``plans``); ``on_completed`` + ``on_scored`` per finished trajectory,
-``on_consumed`` per planned batch, ``on_version`` per version, one ``on_heartbeat`` per instance
-per ``--heartbeat-s``. Only the rules' calls are timed (``time.perf_counter``; their CPU time too,
-``time.thread_time``, as a shared machine's wall-clock includes waiting for a core), not the world.
+each followed by a punctuate (a ``Tick``, then ``decide``; the cancelled hand back at once, an
+``Aborted`` each, and the rules decide again); ``Completed`` + ``Scored`` per finished trajectory,
+``Consumed`` per planned batch, ``VersionSeen`` per version, one ``Heartbeat`` per instance per
+``--heartbeat-s`` (:mod:`dora_rl.streams.scheduling_events`). Only the rules' calls are timed
+(``time.perf_counter``; their CPU time too, ``time.thread_time``, as a shared machine's wall-clock includes
+waiting for a core), not the world.
 
-Per scale: median and max wall ms per training step (one ``on_version`` to the next), by part, with
+Per scale: median and max wall ms per training step (one ``VersionSeen`` to the next), by part, with
 and without heartbeats, as a fraction of ``--step-time-s``; requests in flight (dispatched, not yet
 consumed: the rules' state; and still decoding); growth between scales. Mode ``dora``, S = 2 (K = 3).
 
@@ -45,7 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-PARTS = ("events", "heartbeats", "tick", "dispatch", "cancels", "resumes", "plans", "consumed", "version")
+PARTS = ("events", "heartbeats", "tick", "decide", "aborts", "consumed", "version")
 
 
 def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int = 3, step_time_s: float = 300.0,
@@ -56,6 +57,7 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
     ``repartition_policy``: DORA's (``migrate`` / ``drain`` / ``consolidate``); ``None``: the config's default."""
     from dora_rl.config import DoraConfig
     from dora_rl.streams.rules import make_scheduler
+    from dora_rl.streams.scheduling_events import Aborted, Consumed, Decisions, PromptQueued, Tick, VersionSeen
 
     k = max_staleness + 1
     rbs = instances * capacity // group_size * group_size
@@ -70,7 +72,7 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
     rng = random.Random(seed)
     median_s, sigma, cap_s = decode_median * step_time_s, math.log(12) / 2.326, 5 * decode_median * step_time_s
     for g in range(cfg.steps * tbs // group_size + rbs // group_size):
-        sched.add_prompt(f"g{g}", None)
+        sched.handle(PromptQueued(f"g{g}", None))
 
     heap: list[tuple[float, int, str]] = []  # (finish time, epoch, trajectory id) of what decodes
     epoch: dict[str, int] = {}  # per trajectory: decode epoch (a cancel ends one), finish time, version
@@ -97,26 +99,31 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
 
     def punctuate(now: float) -> None:
         polls[0] += 1
-        timed("tick", partial(sched.tick, now))
-        for d in timed("dispatch", sched.dispatch):
+        timed("tick", partial(sched.handle, Tick(now)))
+        while carry_out(timed("decide", sched.decide), now):
+            pass  # the cancelled hand back at once (as in the simulator): their resumes are decided now
+
+    def carry_out(decided: Decisions[None], now: float) -> bool:
+        for d in decided.dispatches:
             version_of[d.trajectory_id] = d.version
             start(d.trajectory_id, now, min(cap_s, rng.lognormvariate(math.log(median_s), sigma)))
-        for c in timed("cancels", sched.take_cancels):
+        for c in decided.cancels:
             migrated[0] += len(c.trajectory_ids)
             for tid in c.trajectory_ids:
                 epoch[tid] += 1  # it stops decoding there
-                timed("cancels", partial(sched.on_aborted, tid, finish[tid] - now, c.instance))  # decode left
-        for mig, _target in timed("resumes", sched.resumes):
+                timed("aborts", partial(sched.handle, Aborted(tid, finish[tid] - now, c.instance)))  # decode left
+        for mig, _target in decided.resumes:
             left = mig.partial if mig.partial is not None else rng.lognormvariate(math.log(median_s), sigma)
             start(mig.trajectory_id, now, max(0.0, left))
         peak[0] = max(peak[0], sched.planner.unplanned())
-        for step, tids in timed("plans", sched.plans):
+        for step, tids in decided.plans:
             batches[step], plan_time[step] = list(tids), now
-            timed("consumed", partial(sched.on_consumed, step, tids))
+            timed("consumed", partial(sched.handle, Consumed(step, tids)))
+        return bool(decided.cancels)
 
     now, version, version_at = 0.0, 0, 0.0
     hb_round, hb_index = 1, 0
-    timed("version", partial(sched.on_version, 0, 0.0))
+    timed("version", partial(sched.handle, VersionSeen(0, 0.0)))
     punctuate(now)
     while version < total:
         if version in plan_time and now >= max(plan_time[version], version_at) + step_time_s:
@@ -131,7 +138,7 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
             polls[0], peak[0], migrated[0] = 0, 0, 0
             marks[:] = [sched.repartitions, sched.switches, getattr(sched, "unchanged_repartitions", 0)]
             version, version_at = version + 1, now
-            timed("version", partial(sched.on_version, version, now))
+            timed("version", partial(sched.handle, VersionSeen(version, now)))
             punctuate(now)
             continue
         end, last = now + poll_s, now  # one poll: what arrives within poll_s, at most poll_records
@@ -165,14 +172,16 @@ def run_scale(instances: int, capacity: int = 16, *, steps: int = 4, warmup: int
 
 
 def _deliver(sched: Any, done: list[str]) -> None:
+    from dora_rl.streams.scheduling_events import Completed, Scored
     for tid in done:  # the trajectories topic, then the scored one
-        sched.on_completed(tid)
-        sched.on_scored(tid)
+        sched.handle(Completed(tid))
+        sched.handle(Scored(tid))
 
 
 def _beat(sched: Any, beats: list[tuple[int, float]]) -> None:
+    from dora_rl.streams.scheduling_events import Heartbeat
     for i, t in beats:
-        sched.on_heartbeat(i, t)
+        sched.handle(Heartbeat(i, t))
 
 
 def _live(heap: list[tuple[float, int, str]], epoch: dict[str, int]) -> dict[str, float]:

@@ -99,7 +99,7 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: in
     driver = KafkaDriver(bootstrap, run_id, cls(run_id, config), types, start)
     deadline = time.monotonic() + seconds
     driver.run(stop=lambda: time.monotonic() > deadline)
-    queued = driver.proc.rules.queued_prompts()  # type: ignore[attr-defined]
+    queued = driver.proc.rules.status().queued_prompts  # type: ignore[attr-defined]
     state_start = start.get((topics.in_run(run_id, topics.STATE), 0), 0)
     snap = latest_snapshot(bootstrap, run_id, "orchestrator", since=state_start)
     size = len(snap.state) if snap is not None else 0
@@ -109,7 +109,7 @@ def measure(bootstrap: str, n: int, seconds: float, hold_back: bool, repeats: in
         again = KafkaDriver(bootstrap, run_id, cls(run_id, config), types, start)
         again.start()
         restarts.append(round(time.perf_counter() - t0, 3))
-        restored = again.proc.rules.queued_prompts()  # type: ignore[attr-defined]
+        restored = again.proc.rules.status().queued_prompts  # type: ignore[attr-defined]
         again.consumer.close()
     row = {"dataset_prompts": n, "write_s": round(write_s, 1), "queued_prompts": queued,
            "snapshot_bytes": size, "restart_s": restarts, "restart_s_median": statistics.median(restarts),

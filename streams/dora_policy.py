@@ -62,7 +62,24 @@ from .kv_room import LengthMoments, consolidated_quotas, excess, keep_order, kv_
 from .membership import Membership
 from .planning import Planner
 from .repartition import assign, drain_moves, drained, quotas
-from .scheduling import Cancel, Dispatch, Migration
+from .scheduling_events import (
+    Aborted,
+    Cancel,
+    Completed,
+    Consumed,
+    Decisions,
+    Dispatch,
+    Event,
+    Heartbeat,
+    Migration,
+    PromptQueued,
+    Refused,
+    RulesStatus,
+    Scored,
+    Tick,
+    VersionSeen,
+    decisions,
+)
 from .slot_heaps import SlotHeaps, VersionSlots
 
 log = logging.getLogger(__name__)
@@ -100,6 +117,7 @@ class DoraScheduler(Generic[P]):
         self._prompts: deque[tuple[str, P]] = deque()
         self._resume = ResumeQueue()
         self.cancels: list[Cancel] = []
+        self._withdrawn: list[str] = []  # groups withdrawn since the last decide
         self.repartitions = 0
         self.switches = 0
         self.refused_groups = 0
@@ -121,37 +139,62 @@ class DoraScheduler(Generic[P]):
         self.unchanged_repartitions = 0
         self._heaps = SlotHeaps()
 
+    # -- the interface (``SchedulingRules``) --------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        match event:
+            case PromptQueued(group_id, prompt):
+                self._prompts.append((group_id, prompt))
+            case VersionSeen(version, now):
+                self._on_version(version, now)
+            case Completed(trajectory_id, prompt_tokens, response_tokens):
+                self._on_completed(trajectory_id, prompt_tokens, response_tokens)
+            case Scored(trajectory_id):
+                self.planner.complete(trajectory_id)
+            case Refused(group_id):
+                self._on_refused(group_id)
+            case Consumed(train_step, trajectory_ids):
+                self._on_consumed(train_step, trajectory_ids)
+            case Aborted(trajectory_id, partial, instance):
+                self._on_aborted(trajectory_id, partial, instance)
+            case Heartbeat(instance, now, leaving):
+                self._on_heartbeat(instance, now, leaving)
+            case Tick(now):
+                self._tick(now)
+
+    def decide(self) -> Decisions[P]:
+        """Dispatches, then cancels, resumes and plans, as the caller carries them out."""
+        dispatches = self._dispatch()
+        cancels, self.cancels = self.cancels, []
+        resumes = self._resumes()
+        withdrawn, self._withdrawn = self._withdrawn, []
+        return decisions(dispatches, cancels, resumes, self._plans(), withdrawn)
+
+    def status(self) -> RulesStatus:
+        return RulesStatus(len(self._prompts), self.state.dispatched >= self.steps * self.tbs)
+
     # -- events -----------------------------------------------------------------------------------
 
-    def add_prompt(self, group_id: str, prompt: P) -> None:
-        self._prompts.append((group_id, prompt))
-
-    def queued_prompts(self) -> int:
-        return len(self._prompts)
-
-    def on_version(self, version: int, now: float) -> None:
+    def _on_version(self, version: int, now: float) -> None:
         if version > self.state.latest:
             self.state.latest = version
             self._last_repartition = now
             self.repartition()
 
-    def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
+    def _on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
         t = self.state.trajs.get(trajectory_id)
         if t is not None:
             self.state.finish(trajectory_id)
             if response_tokens is not None:
                 self.lengths.add(prompt_tokens, response_tokens)
 
-    def on_scored(self, trajectory_id: str) -> None:
-        self.planner.complete(trajectory_id)
-
-    def on_refused(self, group_id: str) -> bool:
-        """Withdraw the group (see ``SchedulingRules.on_refused``): members still decoding are cancelled,
+    def _on_refused(self, group_id: str) -> None:
+        """Withdraw the group (see :class:`~.scheduling_events.Refused`): members still decoding are cancelled,
         and its share of the run's budget (``dispatched``) is given back, so rule 4 dispatches a
         replacement prompt."""
         tids = self.planner.withdraw(group_id)
         if not tids:
-            return False
+            return
         cancels: dict[int, list[tuple[str, int]]] = {}
         for tid in tids:
             t = self.state.remove(tid)
@@ -163,14 +206,14 @@ class DoraScheduler(Generic[P]):
                             for i, m in sorted(cancels.items()))
         self.state.dispatched -= len(tids)
         self.refused_groups += 1
-        return True
+        self._withdrawn.append(group_id)
 
-    def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
+    def _on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         self.state.next_cut = max(self.state.next_cut, train_step + 1)
         for tid in trajectory_ids:
             self.state.remove(tid)
 
-    def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
+    def _on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
         """A trajectory's partial response came back (it runs nowhere now): queue its resumption.
 
         Expected after a cancel; an unexpected one (the instance gave it up) is resumed too, when it
@@ -185,7 +228,7 @@ class DoraScheduler(Generic[P]):
         self.state.place(trajectory_id, -1)
         self._resume.append((Migration(trajectory_id, t.version, partial), t.version))
 
-    def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
+    def _on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
         """Instance ``instance`` was heard at ``now`` (rule 6): a newcomer or a returning instance joins
         at once (a re-partition gives it work); a leaving one is lost at once (its work moves now)."""
         st = self.state
@@ -376,7 +419,7 @@ class DoraScheduler(Generic[P]):
                                                                                      else 0) > 0
                    for v, holders in c.members.items())
 
-    def tick(self, now: float) -> None:
+    def _tick(self, now: float) -> None:
         """Lose silent instances (rule 6); re-partition on a timer (every ``repartition_s``), under load
         pressure or after a loss; ``now`` is injected."""
         lost = self.members.expire(now)
@@ -422,11 +465,6 @@ class DoraScheduler(Generic[P]):
             return "newest"
         return "due" if self.bound.deadline(holds) <= st.latest else "old"
 
-    def take_cancels(self) -> list[Cancel]:
-        """Cancels decided since the last call (each returned once)."""
-        out, self.cancels = self.cancels, []
-        return out
-
     def describe(self) -> str:
         st = self.state
         undone = [tid for tid, t in st.trajs.items() if not t.done]
@@ -447,7 +485,7 @@ class DoraScheduler(Generic[P]):
             return self.versions.resume_version(self, trajectory_id)
         return self.state.trajs[trajectory_id].version
 
-    def resumes(self) -> list[tuple[Migration, int]]:
+    def _resumes(self) -> list[tuple[Migration, int]]:
         """Migrations that can be placed now: (migration, target instance holding its resume version).
 
         ``O(versions + placed)``: a FIFO whose head finds its version full waits whole
@@ -477,7 +515,7 @@ class DoraScheduler(Generic[P]):
                 out.append((Migration(mig.trajectory_id, version, mig.partial), target))
         return out
 
-    def dispatch(self) -> list[Dispatch[P]]:
+    def _dispatch(self) -> list[Dispatch[P]]:
         """New dispatches allowed now (rules 1–4)."""
         out: list[Dispatch[P]] = []
         st = self.state
@@ -515,10 +553,7 @@ class DoraScheduler(Generic[P]):
                 st.dispatched = dispatched
         return out
 
-    def done(self) -> bool:
-        return self.state.dispatched >= self.steps * self.tbs
-
-    def plans(self) -> list[tuple[int, list[str]]]:
+    def _plans(self) -> list[tuple[int, list[str]]]:
         """Batches that can be planned now (EDF, see :mod:`dora_rl.streams.planning`)."""
         out = self.planner.plans()
         for _, tids in out:

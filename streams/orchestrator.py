@@ -54,6 +54,7 @@ from dora_rl.schemas.records import (
 from .processor import Context, InRecord, Ref, dead_letter_for
 from .rules import make_scheduler
 from .scheduler_state import dump_state, load_state, payloads
+from .scheduling_events import Aborted, Completed, Consumed, Heartbeat, PromptQueued, Refused, Scored, Tick, VersionSeen
 
 log = logging.getLogger(__name__)
 COMPONENT = "orchestrator"
@@ -92,7 +93,6 @@ class Orchestrator:
         self.segments: dict[str, list[int]] = {}  # partial mode: version of every token so far
         self.consumed_steps = 0
         self.sched_s = 0.0
-        self.withdrawn: list[str] = []  # groups refused since the last punctuate (prompts dropped there)
 
     # -- processor -----------------------------------------------------------------------------
 
@@ -105,7 +105,7 @@ class Orchestrator:
         if rec.topic == topics.PROMPTS:
             if r.group_id not in self.prompt_ref:  # a rerun of the dataset writes the same ids again
                 self.prompts[r.group_id], self.prompt_ref[r.group_id] = r, rec.ref
-                self.rules.add_prompt(r.group_id, r)
+                self.rules.handle(PromptQueued(r.group_id, r))
         elif rec.topic == topics.VERSIONS:
             problem = (announcement_problem(r, check_manifest=False, token=self.token)
                        or kind_problem(r, PolicyVersion.TRAINER))
@@ -113,23 +113,22 @@ class Orchestrator:
                 letter = dead_letter_for(rec, COMPONENT, self.run_id, problem, "announcement", ctx.wall_ms())
                 ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")
             else:
-                self.rules.on_version(int(r.version), ctx.now())
+                self.rules.handle(VersionSeen(int(r.version), ctx.now()))
         elif rec.topic == topics.TRAJECTORIES and self.token and (
                 forged := signature_problem(r, self.token, f"trajectory {r.trajectory_id}")):
             letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
             ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # it completed nothing
         elif rec.topic == topics.TRAJECTORIES:
-            self.rules.on_completed(r.trajectory_id, len(r.prompt_ids), len(r.response_ids))
+            self.rules.handle(Completed(r.trajectory_id, len(r.prompt_ids), len(r.response_ids)))
         elif rec.topic == topics.SCORED:
-            self.rules.on_scored(r.trajectory_id)
+            self.rules.handle(Scored(r.trajectory_id))
         elif rec.topic == topics.DLQ:
             if r.group_id and (forged := signature_problem(r, self.token, f"the refusal of group {r.group_id}")):
                 letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
                 ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # names no group
-            elif r.group_id and r.group_id in self.prompts and self.rules.on_refused(r.group_id):
-                log.warning("group %s refused by %s (%s): withdrawn, a replacement is dispatched",
-                            r.group_id, r.component, r.reason)
-                self.withdrawn.append(r.group_id)  # its prompt is dropped only when the rules withdrew it
+            elif r.group_id and r.group_id in self.prompts:
+                log.warning("group %s refused by %s (%s)", r.group_id, r.component, r.reason)
+                self.rules.handle(Refused(r.group_id))
         elif rec.topic == topics.BATCHES and self.token and (
                 forged := signature_problem(r, self.token, f"batch {r.batch_id}")):
             letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
@@ -137,31 +136,32 @@ class Orchestrator:
         elif rec.topic == topics.BATCHES:
             self.consumed_steps = max(self.consumed_steps, int(r.train_step) + 1)
             tids = [t.trajectory_id for t in r.trajectories]
-            self.rules.on_consumed(int(r.train_step), tids)
+            self.rules.handle(Consumed(int(r.train_step), tuple(tids)))
             for t in r.trajectories:
                 self.segments.pop(t.trajectory_id, None)
                 self.prompts.pop(t.group_id, None)
                 self.prompt_ref.pop(t.group_id, None)
         elif rec.topic == topics.INSTANCES:
-            self.rules.on_heartbeat(int(r.instance_index), ctx.now(), leaving=r.state == "STOPPED")
+            self.rules.handle(Heartbeat(int(r.instance_index), ctx.now(), leaving=r.state == "STOPPED"))
         elif rec.topic == topics.TOKENS and r.aborted and self.token and (
                 forged := signature_problem(r, self.token, f"the partial of {r.trajectory_id}")):
             letter = dead_letter_for(rec, COMPONENT, self.run_id, forged, "signature", ctx.wall_ms())
             ctx.emit(topics.DLQ, letter, f"{rec.topic}/{rec.partition}/{rec.offset}")  # nothing resumes from it
         elif rec.topic == topics.TOKENS and r.aborted:
             self.partial_ref[r.trajectory_id] = rec.ref
-            self.rules.on_aborted(r.trajectory_id, r, int(r.instance_id.rsplit("-", 1)[-1]))
+            self.rules.handle(Aborted(r.trajectory_id, r, int(r.instance_id.rsplit("-", 1)[-1])))
         self.sched_s += time.perf_counter() - t0
 
     def punctuate(self, now: float, ctx: Context) -> None:
         t0 = time.perf_counter()
-        self.rules.tick(now)
+        self.rules.handle(Tick(now))
+        decided = self.rules.decide()
         out = 0
-        for d in self.rules.dispatch():
+        for d in decided.dispatches:
             req = self._request(d.prompt, d.trajectory_id, d.version, d.instance, ctx)
             ctx.emit(topics.REQUESTS, req, make_key(d.version, d.group_id), partition=d.instance)
             out += 1
-        for cancel in self.rules.take_cancels():
+        for cancel in decided.cancels:
             for j, tid in enumerate(cancel.trajectory_ids):
                 version = cancel.versions[j] if cancel.versions else self.rules.version_of(tid)
                 req = self._request(self._prompt_of(tid), tid, version, cancel.instance, ctx).replace(
@@ -169,7 +169,7 @@ class Orchestrator:
                 ctx.emit(topics.REQUESTS, req, make_key(version, req.group_id), partition=cancel.instance)
             if not cancel.versions:
                 self._metric(ctx, "migrations_started", len(cancel.trajectory_ids))
-        for mig, target in self.rules.resumes():
+        for mig, target in decided.resumes:
             self.partial_ref.pop(mig.trajectory_id, None)
             if mig.partial is None:  # its instance was lost: generated again from scratch, same version
                 req = self._request(self._prompt_of(mig.trajectory_id), mig.trajectory_id, mig.version, target, ctx)
@@ -191,30 +191,30 @@ class Orchestrator:
             ctx.emit(topics.REQUESTS, req, make_key(mig.version, req.group_id), partition=target)
             self._metric(ctx, "resumed", 1)
             out += 1
-        for step, tids in self.rules.plans():
+        for step, tids in decided.plans:
             plan = signed(BatchPlan(run_id=self.run_id, train_step=step, trajectory_ids=tuple(tids),
                                     ts_ms=ctx.wall_ms()), self.token)  # the assembler follows no other
             ctx.emit(topics.SCHEDULE, plan, make_key(step, "plan"))
             out += 1
-        for gid in self.withdrawn:  # after their cancels were built
+        for gid in decided.withdrawn:  # after their cancels were built
+            log.warning("group %s withdrawn: a replacement is dispatched", gid)
             self.prompts.pop(gid, None)
             self.prompt_ref.pop(gid, None)
             for tid in [t for t in self.partial_ref if t.rsplit("/", 1)[0] == gid]:
                 del self.partial_ref[tid]
             self._metric(ctx, "groups_refused", 1)
-        self.withdrawn.clear()
         self.sched_s += time.perf_counter() - t0
         if out:
             self._metric(ctx, "scheduling_s", self.sched_s)
 
     def done(self) -> bool:
         """Every trajectory dispatched and every step consumed."""
-        return self.rules.done() and self.consumed_steps >= self.config.steps
+        return self.rules.status().all_dispatched and self.consumed_steps >= self.config.steps
 
     def held_back(self) -> frozenset[str]:
         """``dora.prompts`` while :func:`prompt_lookahead` prompts are queued: the rest of the dataset waits in
         the log, so the snapshot (a reference per queued prompt) and the restore do not grow with it."""
-        full = self.rules.queued_prompts() >= prompt_lookahead(self.config)
+        full = self.rules.status().queued_prompts >= prompt_lookahead(self.config)
         return frozenset({topics.PROMPTS}) if full else frozenset()
 
     def snapshot(self) -> bytes:

@@ -16,7 +16,7 @@ from dora_rl.config import DoraConfig
 
 from .dora_policy import DoraScheduler
 from .dora_state import LOST
-from .scheduling import Cancel
+from .scheduling_events import Cancel
 
 
 class PartialRules:

@@ -20,7 +20,8 @@ from .dora_policy import DoraScheduler
 from .dora_state import ResumeQueue, TrajState
 from .kv_room import LengthMoments
 from .planning import Planner
-from .scheduling import Cancel, Migration, Scheduler, SchedulingRules
+from .scheduling import Scheduler, SchedulingRules
+from .scheduling_events import Cancel, Migration
 
 Dump = Callable[[Any], Any]
 Load = Callable[[Any], Any]
@@ -58,7 +59,7 @@ def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:
             "members": s.members.dump(), "redispatched": s.redispatched,
             "cancels": [[c.instance, list(c.trajectory_ids), list(c.versions)] for c in s.cancels],
             "repartitions": s.repartitions, "switches": s.switches, "last_repartition": s._last_repartition,
-            "refused_groups": s.refused_groups,
+            "refused_groups": s.refused_groups, "withdrawn": s._withdrawn,
             "lengths": [s.lengths.count, s.lengths.prompt_sum, s.lengths.response_sum, s.lengths.response_sq_sum],
             "slots": s.slots,
         }
@@ -67,7 +68,8 @@ def dump_state(s: SchedulingRules[Any], dump: Dump) -> dict[str, Any]:
         return {"kind": "waves", "latest": w.latest_version, "waves": w.waves_dispatched,
                 "consumed": w.consumed_steps, "in_flight": w.in_flight, "version_of": w.version_of,
                 "planner": dump_planner(s.planner), "prompts": [[g, dump(p)] for g, p in s._prompts],
-                "replacements": s.replacements, "refused_groups": s.refused_groups}
+                "replacements": s.replacements, "refused_groups": s.refused_groups,
+                "withdrawn": s._withdrawn}
     raise TypeError(f"no snapshot codec for {type(s).__name__}")
 
 
@@ -92,6 +94,7 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
                      for c in d["cancels"]]
         s.repartitions, s.switches = int(d["repartitions"]), int(d["switches"])
         s.refused_groups = int(d.get("refused_groups", 0))
+        s._withdrawn = [str(g) for g in d.get("withdrawn", [])]
         s._last_repartition = float(d["last_repartition"])
         n, ps, rs, rss = d.get("lengths", [0, 0.0, 0.0, 0.0])
         s.lengths = LengthMoments(int(n), float(ps), float(rs), float(rss))
@@ -109,6 +112,7 @@ def load_state(s: SchedulingRules[Any], d: dict[str, Any], load: Load) -> None:
         s._prompts = deque((g, load(p)) for g, p in d["prompts"])
         s.replacements = [int(v) for v in d.get("replacements", [])]
         s.refused_groups = int(d.get("refused_groups", 0))
+        s._withdrawn = [str(g) for g in d.get("withdrawn", [])]
         return
     raise TypeError(f"no snapshot codec for {type(s).__name__}")
 

@@ -3,8 +3,9 @@
 No Kafka and no clock here: the orchestrator process (and the discrete-event simulator) feeds events
 in (prompts, version announcements with the time they were seen, completions, consumed batches,
 aborted partials, timer ticks) and carries out what comes back (dispatches, cancels, resumes, batch
-plans). Every mode implements one interface, :class:`SchedulingRules`, so the orchestrator and the
-simulator drive each mode the same way with no probing of its type; :func:`.rules.make_scheduler` picks the
+plans). Every mode implements one interface, :class:`SchedulingRules` (events in, decisions out:
+:mod:`.scheduling_events`), so the orchestrator and the simulator drive each mode the same way with no
+probing of its type; :func:`.rules.make_scheduler` picks the
 rules of ``config.mode``.
 
 Versions: version ``v`` is the policy after ``v`` updates; train step ``k`` starts from ``k``.
@@ -25,130 +26,50 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from dora_rl.config import DoraConfig
 
 from .planning import Planner
+from .scheduling_events import (
+    Aborted,
+    Completed,
+    Consumed,
+    Decisions,
+    Dispatch,
+    Event,
+    Heartbeat,
+    PromptQueued,
+    Refused,
+    RulesStatus,
+    Scored,
+    Tick,
+    VersionSeen,
+    decisions,
+)
 
 P = TypeVar("P")
 
 
-@dataclass(frozen=True)
-class Dispatch(Generic[P]):
-    """One trajectory to generate: prompt, sample index in its group, version, target instance."""
-
-    prompt: P
-    group_id: str
-    sample_index: int
-    version: int
-    instance: int
-    wave: int
-
-    @property
-    def trajectory_id(self) -> str:
-        """Stable id: ``<group_id>/<sample_index>``."""
-        return f"{self.group_id}/{self.sample_index}"
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """Stop these trajectories on ``instance`` (it is switching to another version, or their group was
-    refused: then ``versions`` holds each one's version, since the rules have forgotten them)."""
-
-    instance: int
-    trajectory_ids: tuple[str, ...]
-    versions: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Migration:
-    """A cancelled trajectory to resume elsewhere; ``partial`` is its response so far."""
-
-    trajectory_id: str
-    version: int
-    partial: Any
-
-
 class SchedulingRules(Protocol[P]):
-    """What the orchestrator and the simulator call, for every mode.
+    """What the orchestrator, the simulator and the benches call, for every mode: events in, decisions out.
 
-    Events go in through the ``on_*`` methods and :meth:`tick`; decisions come out of
-    :meth:`dispatch`, :meth:`take_cancels`, :meth:`resumes` and :meth:`plans`, which the caller
-    carries out in that order after each round of events. ``now`` is the caller's clock (monotonic
-    seconds, or the simulator's virtual time): no rule reads a clock of its own.
+    Every event goes in through :meth:`handle` (:data:`~.scheduling_events.Event`); everything decided
+    since the last call comes out of :meth:`decide`, which the caller carries out in the record's field
+    order (the orchestrator after each round of events). The other four only read.
     """
 
-    def add_prompt(self, group_id: str, prompt: P) -> None:
-        """Queue a prompt (FIFO)."""
+    def handle(self, event: Event) -> None:
+        """Take one event (a prompt, a version, a completion, a score, a refusal, a consumed batch, an
+        aborted partial, a heartbeat or a tick)."""
         ...
 
-    def queued_prompts(self) -> int:
-        """Prompts queued and not yet dispatched (the orchestrator reads more only below a bound)."""
+    def decide(self) -> Decisions[P]:
+        """Everything decided since the last call (each decision is returned once)."""
         ...
 
-    def on_version(self, version: int, now: float) -> None:
-        """Version ``version`` was announced at time ``now``."""
-        ...
-
-    def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
-        """A trajectory finished decoding (its instance is free of it), with its token counts when known
-        (what the trajectories topic carries; they inform KV-aware admission, :mod:`.kv_room`)."""
-        ...
-
-    def on_scored(self, trajectory_id: str) -> None:
-        """A trajectory has its reward: it may be planned into a batch once its whole group has one."""
-        ...
-
-    def on_refused(self, group_id: str) -> bool:
-        """A member of the group was refused (dead-lettered: the engine failed on it, or it has no reward).
-
-        The whole group is withdrawn (its members still decoding are cancelled) and a replacement
-        group is dispatched in its place, so batches stay whole groups of exactly TBS (C2 counts the
-        group as refused, not lost). A group that is unknown, still queued (never dispatched: nothing of
-        it can have been refused, so the letter is a copy or forged) or already planned is left alone.
-        Returns whether the group was withdrawn."""
-        ...
-
-    def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
-        """A batch was cut for ``train_step``."""
-        ...
-
-    def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
-        """An instance handed back a trajectory's partial response (after a cancel, or giving it up)."""
-        ...
-
-    def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
-        """Rollout instance ``instance`` was heard at ``now`` (``dora.instances``): it is alive, or, with
-        ``leaving`` (its ``STOPPED`` heartbeat), it is gone for now and its work must move."""
-        ...
-
-    def tick(self, now: float) -> None:
-        """Time passed: timer- or load-driven decisions (their cancels come out of :meth:`take_cancels`)."""
-        ...
-
-    def dispatch(self) -> list[Dispatch[P]]:
-        """New trajectories to generate now."""
-        ...
-
-    def take_cancels(self) -> list[Cancel]:
-        """Cancels decided since the last call (each is returned once)."""
-        ...
-
-    def resumes(self) -> list[tuple[Migration, int]]:
-        """Migrations that can be placed now: (migration, target instance)."""
-        ...
-
-    def plans(self) -> list[tuple[int, list[str]]]:
-        """Batches that can be planned now: (train step, trajectory ids), in step order."""
-        ...
-
-    def done(self) -> bool:
-        """Every trajectory of the run has been dispatched."""
-        ...
-
-    def load(self) -> list[int]:
-        """In-flight trajectories per instance."""
+    def status(self) -> RulesStatus:
+        """Prompts queued and not dispatched, and whether every trajectory of the run is dispatched."""
         ...
 
     def version_of(self, trajectory_id: str) -> int:
@@ -195,38 +116,66 @@ class Scheduler(Generic[P]):
         self._prompts: deque[tuple[str, P]] = deque()
         self.replacements: list[int] = []  # versions of refused groups still to replace
         self.refused_groups = 0
+        self._withdrawn: list[str] = []  # groups withdrawn since the last decide
 
-    def add_prompt(self, group_id: str, prompt: P) -> None:
-        """Queue a prompt (FIFO)."""
-        self._prompts.append((group_id, prompt))
+    # -- the interface ---------------------------------------------------------------------------
 
-    def queued_prompts(self) -> int:
-        return len(self._prompts)
+    def handle(self, event: Event) -> None:
+        """Waves are driven by versions, completions and consumed batches; see each handler."""
+        match event:
+            case PromptQueued(group_id, prompt):
+                self._prompts.append((group_id, prompt))
+            case VersionSeen(version, _):
+                self.state.latest_version = max(self.state.latest_version, version)
+            case Completed(trajectory_id):
+                self.state.in_flight.pop(trajectory_id, None)
+            case Scored(trajectory_id):
+                self.planner.complete(trajectory_id)
+            case Refused(group_id):
+                self._refuse(group_id)
+            case Consumed(train_step, trajectory_ids):
+                self._consume(train_step, trajectory_ids)
+            case Aborted() | Heartbeat() | Tick():
+                pass  # waves never cancel, migrate or re-partition: a trajectory an instance gives up (it is
+                # stopping) stays uncommitted on its request partition and is generated again when it restarts;
+                # the configured instances serve every wave (a lost one's requests wait in its partition)
 
-    def on_version(self, version: int, now: float) -> None:
-        """A policy version was announced."""
-        self.state.latest_version = max(self.state.latest_version, version)
+    def decide(self) -> Decisions[P]:
+        withdrawn, self._withdrawn = self._withdrawn, []
+        return decisions(self._dispatch(), (), (), self.planner.plans(), withdrawn)
 
-    def on_completed(self, trajectory_id: str, prompt_tokens: int = 0, response_tokens: int | None = None) -> None:
-        """A trajectory finished decoding (its instance is free of it)."""
-        self.state.in_flight.pop(trajectory_id, None)
+    def status(self) -> RulesStatus:
+        """All waves dispatched, and every refused group replaced."""
+        done = self.state.waves_dispatched >= self.steps and not self.replacements
+        return RulesStatus(len(self._prompts), done)
 
-    def on_scored(self, trajectory_id: str) -> None:
-        self.planner.complete(trajectory_id)
+    def version_of(self, trajectory_id: str) -> int:
+        return self.state.version_of[trajectory_id]
 
-    def on_refused(self, group_id: str) -> bool:
-        """Withdraw the group; its replacement is dispatched with the same version (see the protocol)."""
+    def instance_state(self, instance: int, holds: int) -> str:
+        """Waves: every instance generates the wave of the version it holds."""
+        return "newest" if holds >= self.state.latest_version else "old"
+
+    def describe(self) -> str:
+        st = self.state
+        return (f"latest={st.latest_version} waves={st.waves_dispatched} consumed={st.consumed_steps} "
+                f"in_flight={len(st.in_flight)} queued_prompts={len(self._prompts)}")
+
+    # -- rules ------------------------------------------------------------------------------------
+
+    def _refuse(self, group_id: str) -> None:
+        """Withdraw the group; its replacement is dispatched with the same version (see ``Refused``)."""
         tids = self.planner.withdraw(group_id)
         if not tids:
-            return False
+            return
         versions = [self.state.version_of.pop(t) for t in tids]
         for t in tids:
             self.state.in_flight.pop(t, None)
         self.replacements.append(min(versions))
         self.refused_groups += 1
-        return True
+        self._withdrawn.append(group_id)
 
-    def on_consumed(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
+    def _consume(self, train_step: int, trajectory_ids: Sequence[str]) -> None:
         """A batch was cut for ``train_step``."""
         self.state.consumed_steps = max(self.state.consumed_steps, train_step + 1)
         for tid in trajectory_ids:
@@ -243,7 +192,7 @@ class Scheduler(Generic[P]):
             counts[inst] += 1
         return counts
 
-    def dispatch(self) -> list[Dispatch[P]]:
+    def _dispatch(self) -> list[Dispatch[P]]:
         """Every dispatch allowed now (possibly several waves)."""
         out: list[Dispatch[P]] = []
         while self.replacements and self._prompts:  # a refused group's replacement, in its wave's version
@@ -275,40 +224,3 @@ class Scheduler(Generic[P]):
             self.planner.add(d.trajectory_id, group_id, version)
             out.append(d)
         return out
-
-    def done(self) -> bool:
-        """All waves dispatched, and every refused group replaced."""
-        return self.state.waves_dispatched >= self.steps and not self.replacements
-
-    def plans(self) -> list[tuple[int, list[str]]]:
-        """Batches that can be planned now: (train step, trajectory ids), EDF (see ``planning``)."""
-        return self.planner.plans()
-
-    def on_aborted(self, trajectory_id: str, partial: Any, instance: int | None = None) -> None:
-        """Waves never cancel or migrate: a trajectory an instance gives up (it is stopping) stays
-        uncommitted on that instance's request partition and is generated again when it restarts."""
-
-    def on_heartbeat(self, instance: int, now: float, leaving: bool = False) -> None:
-        """Waves are not elastic: the configured instances serve every wave (a lost one's requests wait
-        in its partition until it is back)."""
-
-    def tick(self, now: float) -> None:
-        """Waves are driven by versions only."""
-
-    def take_cancels(self) -> list[Cancel]:
-        return []
-
-    def resumes(self) -> list[tuple[Migration, int]]:
-        return []
-
-    def version_of(self, trajectory_id: str) -> int:
-        return self.state.version_of[trajectory_id]
-
-    def instance_state(self, instance: int, holds: int) -> str:
-        """Waves: every instance generates the wave of the version it holds."""
-        return "newest" if holds >= self.state.latest_version else "old"
-
-    def describe(self) -> str:
-        st = self.state
-        return (f"latest={st.latest_version} waves={st.waves_dispatched} consumed={st.consumed_steps} "
-                f"in_flight={len(st.in_flight)} queued_prompts={len(self._prompts)}")

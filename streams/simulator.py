@@ -54,6 +54,7 @@ from dora_rl.core.instance_policy import next_version, startable
 from .batching import BatchAssembler
 from .rules import make_scheduler
 from .scheduling import SchedulingRules
+from .scheduling_events import Aborted, Completed, Consumed, Decisions, PromptQueued, Scored, Tick, VersionSeen
 
 STALL_TICKS = 10_000
 """Timer ticks in a row with no other event after which a run is declared stalled (an error)."""
@@ -257,7 +258,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             push(nf, "tick", (inst.index, inst.epoch))
 
     for g in range(config.steps * config.train_batch_size // config.group_size + config.rollout_batch_size):
-        sched.add_prompt(f"{group_prefix}{g}", None)
+        sched.handle(PromptQueued(f"{group_prefix}{g}", None))
     now = 0.0
     trainer_free_at = 0.0
     trainer_busy = 0.0
@@ -271,18 +272,27 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     train_start: list[float] = []
     train_s: list[float] = []
     step_tokens: list[int] = []
-    sched.on_version(0, 0.0)
+    sched.handle(VersionSeen(0, 0.0))
 
     def orchestrate(now: float) -> None:
+        """As the orchestrator's punctuate: a tick (timed and pressure re-partitions, lost instances), then
+        its decisions. Instances here hand a cancelled trajectory back at once, so the rules decide again
+        at the same instant while a round aborted any (their resumes are placed now)."""
+        sched.handle(Tick(now))
+        while carry_out(sched.decide(), now):
+            pass
+
+    def carry_out(decided: Decisions[None], now: float) -> bool:
+        """Carry out one round of decisions; returns whether a cancel handed a trajectory back."""
         nonlocal migrations
-        sched.tick(now)  # as the orchestrator's punctuate: timed and pressure re-partitions, lost instances
-        for d in sched.dispatch():
+        aborted = False
+        for d in decided.dispatches:
             inst = insts[d.instance]
             length, _ = planned_length(d.trajectory_id, config.max_new_tokens, p)
             tr = _Traj(d.trajectory_id, d.group_id, d.version, length, prompt_tokens)
             trajs[tr.tid] = tr
             admit(inst, tr, now)
-        for cancel in sched.take_cancels():
+        for cancel in decided.cancels:
             inst = insts[cancel.instance]
             inst.advance(now, sched.instance_state(inst.index, inst.version))
             wanted = set(cancel.trajectory_ids)
@@ -296,17 +306,19 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
                 found = active or queued.get(tid)
                 if found is not None:
                     found.kv_held = active is not None and p.kv_move_s_per_token > 0
-                    sched.on_aborted(tid, found, cancel.instance)
+                    sched.handle(Aborted(tid, found, cancel.instance))
                     migrations += 1
+                    aborted = True
             drain(inst, now)
             schedule(inst)
-        for mig, target in sched.resumes():
+        for mig, target in decided.resumes:
             tr = mig.partial
             tr.kv_held = tr.kv_held and tr.version == mig.version  # KV of other weights is recomputed
             tr.version = mig.version
             admit(insts[target], tr, now)
-        for step, tids in sched.plans():
-            asm.on_plan(step, tids)
+        for step, tids in decided.plans:
+            asm.on_plan(step, list(tids))
+        return aborted
 
     def admit(inst: _Instance, tr: _Traj, now: float) -> None:
         """A request reaches an instance: it queues, and the instance rule decides what starts."""
@@ -386,7 +398,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         nonlocal trainer_free_at, trainer_busy, trained
         while (cut := asm.cut()) is not None:
             pending_batches.append(cut)  # the batches topic: the orchestrator sees the cut
-            sched.on_consumed(cut.train_step, [t.trajectory_id for t in cut.trajectories])
+            sched.handle(Consumed(cut.train_step, tuple(t.trajectory_id for t in cut.trajectories)))
         for _ in asm.refuse_over_stale():
             nonlocal refused
             refused += 1
@@ -426,15 +438,15 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             for tid in inst.finished():
                 tr = inst.remove(tid)
                 assert tr is not None
-                sched.on_completed(tid, tr.prompt, tr.length)  # what the trajectories topic carries
-                sched.on_scored(tid)  # no scorer here: a reward is instant
+                sched.handle(Completed(tid, tr.prompt, tr.length))  # what the trajectories topic carries
+                sched.handle(Scored(tid))  # no scorer here: a reward is instant
                 asm.add(_Done(tid, tr.group_id, min(tr.versions)))
             fit_kv(inst)
             drain(inst, now)
             schedule(inst)
         elif kind == "version":
             step_end.append(now)
-            sched.on_version(int(data), now)
+            sched.handle(VersionSeen(int(data), now))
             if colocated:
                 resume_paused(now)
         elif kind == "timer":

@@ -9,6 +9,7 @@ import pytest
 from dora_rl.config import DoraConfig
 from dora_rl.streams.batching import BatchAssembler
 from dora_rl.streams.scheduling import Scheduler
+from dora_rl.streams.scheduling_events import Completed, PromptQueued, Scored, VersionSeen
 
 
 @dataclass(frozen=True)
@@ -84,44 +85,44 @@ def _wave_cfg(mode: str, tbs: int, g: int, steps: int, n: int) -> DoraConfig:
 def test_wave_versions(mode: str, expected: list[int]) -> None:
     s: Scheduler[str] = Scheduler(_wave_cfg(mode, 4, 2, 3, 2))
     for i in range(10):
-        s.add_prompt(f"p{i}", f"prompt{i}")
-    s.on_version(0, 0.0)
-    first = s.dispatch()
+        s.handle(PromptQueued(f"p{i}", f"prompt{i}"))
+    s.handle(VersionSeen(0, 0.0))
+    first = s.decide().dispatches
     waves_now = 1 if mode == "sync" else 2
     assert len(first) == 4 * waves_now
     assert {d.version for d in first} == {0}
-    assert s.dispatch() == []  # waits for the next version
-    s.on_version(1, 0.0)
-    second = s.dispatch()
-    s.on_version(2, 0.0)
-    third = s.dispatch()
+    assert s.decide().dispatches == ()  # waits for the next version
+    s.handle(VersionSeen(1, 0.0))
+    second = s.decide().dispatches
+    s.handle(VersionSeen(2, 0.0))
+    third = s.decide().dispatches
     versions = [d.version for d in first + second + third]
     waves = sorted({(d.wave, d.version) for d in first + second + third})
     assert [v for _, v in waves] == expected
-    assert len(versions) == 12 and s.done()
+    assert len(versions) == 12 and s.status().all_dispatched
 
 
 def test_dispatch_spreads_load_and_keeps_groups_whole() -> None:
     s: Scheduler[str] = Scheduler(_wave_cfg("sync", 8, 4, 1, 2))
-    s.add_prompt("a", "A")
-    s.add_prompt("b", "B")
-    s.on_version(0, 0.0)
-    out = s.dispatch()
+    s.handle(PromptQueued("a", "A"))
+    s.handle(PromptQueued("b", "B"))
+    s.handle(VersionSeen(0, 0.0))
+    out = s.decide().dispatches
     assert s.load() == [4, 4]
     assert sorted(d.trajectory_id for d in out) == sorted(f"{g}/{i}" for g in "ab" for i in range(4))
     for d in out[:3]:
-        s.on_completed(d.trajectory_id)
-        s.on_scored(d.trajectory_id)
+        s.handle(Completed(d.trajectory_id))
+        s.handle(Scored(d.trajectory_id))
     assert sum(s.load()) == 5
 
 
 def test_waits_for_enough_prompts() -> None:
     s: Scheduler[str] = Scheduler(_wave_cfg("sync", 8, 4, 1, 1))
-    s.add_prompt("a", "A")
-    s.on_version(0, 0.0)
-    assert s.dispatch() == []
-    s.add_prompt("b", "B")
-    assert len(s.dispatch()) == 8
+    s.handle(PromptQueued("a", "A"))
+    s.handle(VersionSeen(0, 0.0))
+    assert s.decide().dispatches == ()
+    s.handle(PromptQueued("b", "B"))
+    assert len(s.decide().dispatches) == 8
 
 
 def test_planned_cut_waits_for_every_planned_trajectory() -> None:

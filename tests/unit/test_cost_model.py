@@ -17,6 +17,7 @@ from dora_rl.core.emulation import (
     prefill_time,
     step_time,
 )
+from dora_rl.streams.scheduling_events import Tick
 from dora_rl.streams.simulator import simulate
 
 P = EmulatedParams(base_step_s=0.02, capacity=8, alpha=0.5, kv_s_per_token=1e-6, time_scale=0.0)
@@ -178,8 +179,8 @@ def test_the_rules_run_on_a_timer_as_the_orchestrators_punctuate_does(monkeypatc
 
     def recording(config: DoraConfig):  # type: ignore[no-untyped-def]
         sched = real(config)
-        tick = sched.tick
-        monkeypatch.setattr(sched, "tick", lambda now: (ticks.append(now), tick(now))[1])
+        handle = sched.handle
+        monkeypatch.setattr(sched, "handle", lambda e: (isinstance(e, Tick) and ticks.append(e.now), handle(e))[1])
         return sched
 
     monkeypatch.setattr(simulator, "make_scheduler", recording)
@@ -198,7 +199,7 @@ def test_a_run_where_nothing_can_happen_is_an_error_not_a_silent_spin(monkeypatc
 
     def idle(config: DoraConfig):  # type: ignore[no-untyped-def]
         sched = real(config)
-        monkeypatch.setattr(sched, "dispatch", lambda: [])
+        monkeypatch.setattr(sched, "_dispatch", lambda: [])
         return sched
 
     monkeypatch.setattr(simulator, "make_scheduler", idle)

@@ -12,6 +12,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import EmulatedParams
 from dora_rl.streams.dora_policy import DoraScheduler
 from dora_rl.streams.planning import GroupView, feasible, plan_batch
+from dora_rl.streams.scheduling_events import Aborted, Completed, PromptQueued, Scored, Tick, VersionSeen
 from dora_rl.streams.simulator import simulate
 
 BASE = dict(steps=12, train_batch_size=32, group_size=4, num_instances=3, instance_concurrency=24,
@@ -140,11 +141,11 @@ def test_plan_waits_for_a_straggler_due_now_and_prefers_early_deadlines() -> Non
 def test_window_and_budget() -> None:
     sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 1, 64))
     for i in range(40):
-        sched.add_prompt(f"g{i}", "p")
-    sched.on_version(0, 0.0)
-    first = sched.dispatch()
+        sched.handle(PromptQueued(f"g{i}", "p"))
+    sched.handle(VersionSeen(0, 0.0))
+    first = sched.decide().dispatches
     assert len(first) == 64 and {d.version for d in first} == {0}  # RBS, newest version
-    assert sched.dispatch() == []  # RBS reached
+    assert sched.decide().dispatches == ()  # RBS reached
     sched.state.latest = 2
     assert not sched.feasible(0, 4)  # version 0 left the window (2 - 0 > S)
 
@@ -152,23 +153,23 @@ def test_window_and_budget() -> None:
 def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_the_rest() -> None:
     sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 2, 96))
     for i in range(40):
-        sched.add_prompt(f"g{i}", "p")
-    sched.on_version(0, 0.0)
-    sent = sched.dispatch()
+        sched.handle(PromptQueued(f"g{i}", "p"))
+    sched.handle(VersionSeen(0, 0.0))
+    sent = sched.decide().dispatches
     assert sched.state.instance_version == [0, 0, 0]
     for d in sent[:32]:  # one batch completes and is planned: room for 32 more (RBS)
-        sched.on_completed(d.trajectory_id)
-        sched.on_scored(d.trajectory_id)
-    assert [step for step, _ in sched.plans()] == [0]
-    sched.on_version(1, 0.0)
+        sched.handle(Completed(d.trajectory_id))
+        sched.handle(Scored(d.trajectory_id))
+    assert [step for step, _ in sched.decide().plans] == [0]
+    sched.handle(VersionSeen(1, 0.0))
     versions = sched.state.instance_version
     assert 0 in versions and 1 in versions  # version 0 keeps an instance for its stragglers
     moved = [tid for c in sched.cancels for tid in c.trajectory_ids]
     cancelled_on = {tid: c.instance for c in sched.cancels for tid in c.trajectory_ids}
     for tid in moved:  # in-flight work of a switching instance goes back to the same version
         assert sched.state.migrating[tid] == cancelled_on[tid] and sched.state.trajs[tid].version == 0
-        sched.on_aborted(tid, object(), None)
-    placed = sched.resumes()
+        sched.handle(Aborted(tid, object(), None))
+    placed = sched.decide().resumes
     assert placed and len(placed) + len(sched._resume) == len(moved)  # the rest waits for free slots
     for mig, target in placed:
         assert mig.version == 0 and sched.state.instance_version[target] == 0
@@ -177,19 +178,19 @@ def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_t
 def test_repartition_triggers_timer_and_pressure() -> None:
     sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 2, 96, repartition_s=10.0))
     for i in range(40):
-        sched.add_prompt(f"g{i}", "p")
-    sched.on_version(0, now=100.0)
-    sched.dispatch()
+        sched.handle(PromptQueued(f"g{i}", "p"))
+    sched.handle(VersionSeen(0, now=100.0))
+    sched.decide()
     n = sched.repartitions
-    sched.tick(105.0)
+    sched.handle(Tick(105.0))
     assert sched.repartitions == n  # neither timer nor pressure
-    sched.tick(111.0)
+    sched.handle(Tick(111.0))
     assert sched.repartitions == n + 1  # the timer
     sched.state.hold_all([0, 1, 1])  # version 1's instances idle while version 0 is overloaded
     for tid in list(sched.state.trajs):
         sched.state.place(tid, 0)
     assert sched.pressure()
-    sched.tick(112.0)
+    sched.handle(Tick(112.0))
     assert sched.repartitions == n + 2
 
 

@@ -18,6 +18,7 @@ from dora_rl.streams.kv_room import (
     keep_order,
     kv_slots,
 )
+from dora_rl.streams.scheduling_events import Completed, PromptQueued, VersionSeen
 from dora_rl.streams.simulator import simulate
 
 
@@ -74,14 +75,14 @@ def test_the_scheduler_frees_an_empty_instance_of_the_due_version(free_empty: bo
     s: DoraScheduler[str] = DoraScheduler(_cfg(2, 64, consolidate_level=False,
                                                consolidate_free_empty_due=free_empty))
     for g in range(40):
-        s.add_prompt(f"g{g}", "p")
-    s.on_version(0, 0.0)
-    on = {d.trajectory_id: d.instance for d in s.dispatch()}
+        s.handle(PromptQueued(f"g{g}", "p"))
+    s.handle(VersionSeen(0, 0.0))
+    on = {d.trajectory_id: d.instance for d in s.decide().dispatches}
     emptied = min(on.values())
     for t, i in on.items():
         if i == emptied:
-            s.on_completed(t)
-    s.on_version(2, 2.0)  # version 0 is now due at the next step (S = 2); the newest can take work
+            s.handle(Completed(t))
+    s.handle(VersionSeen(2, 2.0))  # version 0 is now due at the next step (S = 2); the newest can take work
     version = s.state.instance_version
     assert version[emptied] == (2 if free_empty else 0)
     assert all(version[i] == 0 for i in set(on.values()) - {emptied})  # those decoding it: not packed
@@ -109,18 +110,18 @@ def test_the_rules_see_completed_token_counts_never_the_engines_lengths() -> Non
         assert not any("emulation" in m for m in imported), f"{name} imports the engine's length model"
     cfg = _cfg(2, 96, instance_kv_tokens=4000, consolidate_kv_admission=True)
     s: DoraScheduler[str] = DoraScheduler(cfg)
-    s.on_version(0, 0.0)
+    s.handle(VersionSeen(0, 0.0))
     s.repartition()
     assert s.slots == cfg.instance_concurrency  # nothing completed yet: the engine's limit
     for g in range(MIN_SAMPLES):
-        s.add_prompt(f"g{g}", "p")
-    tids = [d.trajectory_id for d in s.dispatch()]
+        s.handle(PromptQueued(f"g{g}", "p"))
+    tids = [d.trajectory_id for d in s.decide().dispatches]
     for t in tids[:MIN_SAMPLES]:
-        s.on_completed(t)  # no token counts: nothing learned
+        s.handle(Completed(t))  # no token counts: nothing learned
     s.repartition()
     assert s.slots == cfg.instance_concurrency
     for t in tids[MIN_SAMPLES:2 * MIN_SAMPLES]:
-        s.on_completed(t, 16, 184)
+        s.handle(Completed(t, 16, 184))
     s.repartition()
     assert s.slots == min(cfg.instance_concurrency, int(4000 / (16 + 184 / 2)))
 

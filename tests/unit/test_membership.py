@@ -6,6 +6,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.streams.dora_policy import DoraScheduler
 from dora_rl.streams.dora_state import LOST
 from dora_rl.streams.membership import Membership
+from dora_rl.streams.scheduling_events import Heartbeat, PromptQueued, Tick, VersionSeen
 
 
 def test_membership_joins_loses_once_and_rejoins() -> None:
@@ -33,43 +34,43 @@ def _cfg(**kw: object) -> DoraConfig:
 def test_a_lost_instance_work_is_generated_again_on_the_same_version_and_a_newcomer_gets_work() -> None:
     s: DoraScheduler[str] = DoraScheduler(_cfg())
     for i in range(4):
-        s.add_prompt(f"g{i}", f"prompt {i}")
-    s.on_heartbeat(0, 0.0)
-    s.on_heartbeat(1, 0.0)
-    s.on_version(0, 0.0)
-    first = s.dispatch()
+        s.handle(PromptQueued(f"g{i}", f"prompt {i}"))
+    s.handle(Heartbeat(0, 0.0))
+    s.handle(Heartbeat(1, 0.0))
+    s.handle(VersionSeen(0, 0.0))
+    first = s.decide().dispatches
     on_1 = {d.trajectory_id for d in first if d.instance == 1}
     assert on_1, "both instances get work"
-    s.on_heartbeat(0, 9.0)
-    s.tick(12.0)  # instance 1 silent for 12 s > 10 s: lost
+    s.handle(Heartbeat(0, 9.0))
+    s.handle(Tick(12.0))  # instance 1 silent for 12 s > 10 s: lost
     assert s.state.instance_version[1] == LOST and s.redispatched == len(on_1)
-    again = s.resumes()
+    again = s.decide().resumes
     assert {m.trajectory_id for m, _ in again} == on_1 and all(t == 0 for _, t in again)
     assert all(m.partial is None and m.version == 0 for m, _ in again), "from scratch, same version (C1)"
-    s.on_heartbeat(2, 13.0)  # a newcomer with a new index
+    s.handle(Heartbeat(2, 13.0))  # a newcomer with a new index
     assert s.live_instances() == [0, 2] and s.state.instance_version[2] == 0, "it gets a version at once"
-    more = [d for d in s.dispatch() if d.instance == 2]
+    more = [d for d in s.decide().dispatches if d.instance == 2]
     assert more or not s._prompts, "the newcomer gets new work while prompts remain"
 
 
 def test_a_graceful_leave_moves_the_work_at_once_and_the_index_can_come_back() -> None:
     s: DoraScheduler[str] = DoraScheduler(_cfg())
     for i in range(4):
-        s.add_prompt(f"g{i}", f"prompt {i}")
-    s.on_heartbeat(0, 0.0)
-    s.on_heartbeat(1, 0.0)
-    s.on_version(0, 0.0)
-    on_1 = {d.trajectory_id for d in s.dispatch() if d.instance == 1}
+        s.handle(PromptQueued(f"g{i}", f"prompt {i}"))
+    s.handle(Heartbeat(0, 0.0))
+    s.handle(Heartbeat(1, 0.0))
+    s.handle(VersionSeen(0, 0.0))
+    on_1 = {d.trajectory_id for d in s.decide().dispatches if d.instance == 1}
     assert on_1
-    s.on_heartbeat(1, 1.0, leaving=True)  # SIGTERM: no waiting for the 10 s timeout
+    s.handle(Heartbeat(1, 1.0, leaving=True))  # SIGTERM: no waiting for the 10 s timeout
     assert s.state.instance_version[1] == LOST and s.redispatched == len(on_1)
-    assert {m.trajectory_id for m, _ in s.resumes()} == on_1
-    s.on_heartbeat(1, 1.5, leaving=True)
+    assert {m.trajectory_id for m, _ in s.decide().resumes} == on_1
+    s.handle(Heartbeat(1, 1.5, leaving=True))
     assert s.redispatched == len(on_1), "a repeated STOPPED moves nothing twice"
-    s.on_heartbeat(0, 29.0)
-    s.tick(30.0)
+    s.handle(Heartbeat(0, 29.0))
+    s.handle(Tick(30.0))
     assert s.redispatched == len(on_1), "a left instance is not lost a second time by the timer"
-    s.on_heartbeat(1, 31.0)
+    s.handle(Heartbeat(1, 31.0))
     assert 1 in s.live_instances(), "heard again (restarted): it rejoins"
 
 

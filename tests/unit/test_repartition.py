@@ -11,6 +11,7 @@ from dora_rl.streams.dora_policy import DoraScheduler
 from dora_rl.streams.dora_state import LOST
 from dora_rl.streams.repartition import assign, drain_moves, drained, quotas
 from dora_rl.streams.scheduler_state import dump_state, load_state
+from dora_rl.streams.scheduling_events import Completed, Heartbeat, PromptQueued, Tick, VersionSeen
 
 
 def test_quotas_cover_every_version_with_work_and_sum_to_n() -> None:
@@ -89,7 +90,7 @@ def test_counts_keep_members_and_emptied_in_step() -> None:
     assert c.members[3] == [0]
     c.emptied = set()
     for tid in list(c.placed.get(1, ())):
-        s.on_completed(tid)
+        s.handle(Completed(tid))
     assert c.emptied == {1}
 
 
@@ -102,11 +103,11 @@ def _cfg(policy: str) -> DoraConfig:
 def _sched(policy: str) -> DoraScheduler[str]:
     s: DoraScheduler[str] = DoraScheduler(_cfg(policy))
     for g in range(4):  # 8 trajectories of version 0 fill both instances; 4 more fit the RBS later
-        s.add_prompt(f"g{g}", f"prompt {g}")
-    s.on_heartbeat(0, 0.0)
-    s.on_heartbeat(1, 0.0)
-    s.on_version(0, 0.0)
-    first = s.dispatch()
+        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    s.handle(Heartbeat(0, 0.0))
+    s.handle(Heartbeat(1, 0.0))
+    s.handle(VersionSeen(0, 0.0))
+    first = s.decide().dispatches
     assert {d.instance for d in first} == {0, 1} and {d.version for d in first} == {0}
     return s
 
@@ -114,28 +115,28 @@ def _sched(policy: str) -> DoraScheduler[str]:
 def test_drain_cancels_nothing_and_switches_when_empty() -> None:
     migrate = _sched("migrate")
     for g in range(4, 12):
-        migrate.add_prompt(f"g{g}", f"prompt {g}")
-    migrate.on_version(1, 1.0)
-    assert migrate.take_cancels(), "migrate: the moved instance's work is cancelled at once"
+        migrate.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    migrate.handle(VersionSeen(1, 1.0))
+    assert migrate.decide().cancels, "migrate: the moved instance's work is cancelled at once"
 
     s = _sched("drain")
     for g in range(4, 12):
-        s.add_prompt(f"g{g}", f"prompt {g}")
-    s.on_version(1, 1.0)
-    assert s.take_cancels() == []
+        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    s.handle(VersionSeen(1, 1.0))
+    assert s.decide().cancels == ()
     assert len(s.state.draining) == 1
     (mover, target), = s.state.draining.items()
     assert target == 1 and s.state.instance_version[mover] == 0  # held on its version while it decodes
-    assert all(d.instance != mover for d in s.dispatch())  # no new work while draining
+    assert all(d.instance != mover for d in s.decide().dispatches)  # no new work while draining
     restored: DoraScheduler[str] = DoraScheduler(_cfg("drain"))  # a restarted orchestrator, from the snapshot
     load_state(restored, dump_state(s, lambda p: p), lambda p: p)
     for sched in (s, restored):
         assert sched.state.draining == {mover: 1}
         for tid in list(sched.state.counts.placed.get(mover, ())):
-            sched.on_completed(tid)
-        sched.tick(1.5)
+            sched.handle(Completed(tid))
+        sched.handle(Tick(1.5))
         assert sched.state.draining == {} and sched.state.instance_version[mover] == 1
-        sent = sched.dispatch()
+        sent = sched.decide().dispatches
         assert sent and all(d.version == 1 for d in sent if d.instance == mover)
         assert any(d.instance == mover for d in sent)
     assert s.state.instance_version == restored.state.instance_version
@@ -144,11 +145,11 @@ def test_drain_cancels_nothing_and_switches_when_empty() -> None:
 def test_a_repeated_repartition_still_moves_a_draining_instance_that_emptied() -> None:
     s = _sched("drain")
     for g in range(4, 12):
-        s.add_prompt(f"g{g}", f"prompt {g}")
-    s.on_version(1, 1.0)
+        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    s.handle(VersionSeen(1, 1.0))
     (mover, _), = s.state.draining.items()
     for tid in list(s.state.counts.placed.get(mover, ())):
-        s.on_completed(tid)
+        s.handle(Completed(tid))
     s.repartition()  # called directly (no tick switched it): same quotas, same holders as it left them
     assert s.unchanged_repartitions == 0 and s.state.draining == {} and s.state.instance_version[mover] == 1
     s.repartition()

@@ -16,7 +16,7 @@ from pathlib import Path
 from dora_rl.streams.batching import BatchAssembler
 from dora_rl.streams.dora_state import ResumeQueue
 from dora_rl.streams.planning import GroupView, Planner, plan_batch
-from dora_rl.streams.scheduling import Migration
+from dora_rl.streams.scheduling_events import Migration
 
 
 def test_plan_batch_with_counts_equals_with_a_list() -> None:

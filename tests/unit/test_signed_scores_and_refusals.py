@@ -28,6 +28,7 @@ from dora_rl.streams.assembler import Assembler
 from dora_rl.streams.orchestrator import Orchestrator
 from dora_rl.streams.processor import Context, InRecord, OutRecord
 from dora_rl.streams.reward_scorer import Scorer
+from dora_rl.streams.scheduling_events import Aborted
 
 RUN, KEY, TOKEN = "r1", "the scorer's key", "the run's token"
 CFG = DoraConfig.from_dict({"mode": "sync", "max_staleness": 0, "steps": 1, "train_batch_size": 4, "group_size": 4,
@@ -100,7 +101,8 @@ def test_the_orchestrator_resumes_no_partial_the_run_did_not_sign(key: str) -> N
     instance of the run signed it: a forged one would plant tokens of its writer's choice into a trajectory."""
     orch, ctx, gid = _dispatched_orchestrator()
     seen: list[str] = []
-    orch.rules.on_aborted = lambda tid, partial, instance=None: seen.append(tid)  # type: ignore[method-assign]
+    handle = orch.rules.handle
+    orch.rules.handle = lambda e: seen.append(e.trajectory_id) if isinstance(e, Aborted) else handle(e)  # type: ignore[method-assign]
     chunk = TokenChunk(run_id=RUN, trajectory_id=f"{gid}/0", group_id=gid, policy_version=0, instance_id="rollout-0",
                        start=0, token_ids=np.asarray([9, 9], dtype=np.int32),
                        logprobs=np.asarray([-0.1, -0.1], dtype=np.float32), final=True, aborted=True)
@@ -197,7 +199,7 @@ def test_a_refusal_not_signed_with_the_token_withdraws_nothing_and_is_dead_lette
     orch.process(InRecord(topics.DLQ, 0, 5, None, signed(_refusal(gid), key)), ctx)
     orch.punctuate(1.0, ctx)
     out = ctx.take()
-    assert not orch.withdrawn and gid in orch.prompts
+    assert orch.rules.refused_groups == 0 and gid in orch.prompts  # type: ignore[attr-defined]
     assert not any(o.topic == topics.REQUESTS for o in out), "no replacement may be dispatched"
     letters = [o.record for o in out if o.topic == topics.DLQ]
     assert [(d.source_topic, d.source_offset, d.error_type, d.group_id) for d in letters] == [
