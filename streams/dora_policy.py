@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from dora_rl.config import DoraConfig
@@ -138,29 +138,21 @@ class DoraScheduler(Generic[P]):
         self._unchanged: tuple[int, dict[int, int], int, int] | None = None
         self.unchanged_repartitions = 0
         self._heaps = SlotHeaps()
+        self._route: dict[type, Callable[[Any], None]] = {
+            Heartbeat: lambda e: self._on_heartbeat(e.instance, e.now, e.leaving),
+            Completed: lambda e: self._on_completed(e.trajectory_id, e.prompt_tokens, e.response_tokens),
+            Scored: lambda e: self.planner.complete(e.trajectory_id),
+            PromptQueued: lambda e: self._prompts.append((e.group_id, e.prompt)),
+            VersionSeen: lambda e: self._on_version(e.version, e.now),
+            Refused: lambda e: self._on_refused(e.group_id),
+            Consumed: lambda e: self._on_consumed(e.train_step, e.trajectory_ids),
+            Aborted: lambda e: self._on_aborted(e.trajectory_id, e.partial, e.instance),
+            Tick: lambda e: self._tick(e.now)}
 
     # -- the interface (``SchedulingRules``) --------------------------------------------------------
 
     def handle(self, event: Event) -> None:
-        match event:
-            case PromptQueued(group_id, prompt):
-                self._prompts.append((group_id, prompt))
-            case VersionSeen(version, now):
-                self._on_version(version, now)
-            case Completed(trajectory_id, prompt_tokens, response_tokens):
-                self._on_completed(trajectory_id, prompt_tokens, response_tokens)
-            case Scored(trajectory_id):
-                self.planner.complete(trajectory_id)
-            case Refused(group_id):
-                self._on_refused(group_id)
-            case Consumed(train_step, trajectory_ids):
-                self._on_consumed(train_step, trajectory_ids)
-            case Aborted(trajectory_id, partial, instance):
-                self._on_aborted(trajectory_id, partial, instance)
-            case Heartbeat(instance, now, leaving):
-                self._on_heartbeat(instance, now, leaving)
-            case Tick(now):
-                self._tick(now)
+        self._route[type(event)](event)  # one lookup: ~2.5M heartbeats a step at 8,192 instances
 
     def decide(self) -> Decisions[P]:
         """Dispatches, then cancels, resumes and plans, as the caller carries them out."""

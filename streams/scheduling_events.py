@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 P = TypeVar("P")
 
@@ -87,26 +87,25 @@ class RulesStatus:
 
 
 # -- events ------------------------------------------------------------------------------------
+# Typed named tuples, immutable like the records above but built in half the time: at 8,192 instances the
+# orchestrator takes ~2.5 million heartbeats per training step (bench/orchestration.py).
 
 
-@dataclass(frozen=True)
-class PromptQueued:
+class PromptQueued(NamedTuple):
     """A prompt to dispatch (FIFO); ``prompt`` is carried opaquely into its dispatches."""
 
     group_id: str
     prompt: Any
 
 
-@dataclass(frozen=True)
-class VersionSeen:
+class VersionSeen(NamedTuple):
     """Version ``version`` was announced, seen at ``now``."""
 
     version: int
     now: float
 
 
-@dataclass(frozen=True)
-class Completed:
+class Completed(NamedTuple):
     """A trajectory finished decoding (its instance is free of it), with its token counts when known
     (what the trajectories topic carries; they inform KV-aware admission, :mod:`.kv_room`)."""
 
@@ -115,15 +114,13 @@ class Completed:
     response_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class Scored:
+class Scored(NamedTuple):
     """A trajectory has its reward: it may be planned once its whole group has one."""
 
     trajectory_id: str
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(NamedTuple):
     """A member of the group was dead-lettered (the engine failed on it, or it has no reward).
 
     The whole group is withdrawn (members still decoding are cancelled) and a replacement group is
@@ -134,16 +131,14 @@ class Refused:
     group_id: str
 
 
-@dataclass(frozen=True)
-class Consumed:
+class Consumed(NamedTuple):
     """A batch was cut for ``train_step``."""
 
     train_step: int
     trajectory_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Aborted:
+class Aborted(NamedTuple):
     """An instance handed back a trajectory's partial response (after a cancel, or giving it up)."""
 
     trajectory_id: str
@@ -151,8 +146,7 @@ class Aborted:
     instance: int | None = None
 
 
-@dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(NamedTuple):
     """Rollout instance ``instance`` was heard at ``now``: alive, or, with ``leaving`` (its ``STOPPED``
     heartbeat), gone for now (its work must move)."""
 
@@ -161,8 +155,7 @@ class Heartbeat:
     leaving: bool = False
 
 
-@dataclass(frozen=True)
-class Tick:
+class Tick(NamedTuple):
     """Time passed: timer- and load-driven decisions (timed re-partitions, lost instances)."""
 
     now: float

@@ -6,6 +6,7 @@ Reads partition ``index`` of ``dora.rollout.requests`` (group ``dora.<run>.rollo
 
 from __future__ import annotations
 
+import numpy as np
 from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
@@ -16,7 +17,7 @@ from dora_rl.infra.observability import prom
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RolloutRequest
 
-from .engine import Engine
+from .engine import Engine, GenRequest
 
 
 class RequestReader:
@@ -97,3 +98,15 @@ def make_engine(config: DoraConfig, index: int) -> Engine:
     # with its KV rows continues on any instance exactly as it would have where it started
     return TorchEngine(model, tok, temperature=config.temperature, seed=config.seed,
                        static_cache=config.engine_static_cache)
+
+
+def gen_request(r: RolloutRequest) -> GenRequest:
+    """The engine's request for ``r``; ``kv_moved`` when its partial tokens were all written by its version
+    (their KV was computed by the weights it runs under)."""
+    versions = r.partial_versions  # None: every partial token is policy_version's (the schema's rule, C1)
+    same = len(r.partial_ids) > 0 and (versions is None or (
+        len(versions) == len(r.partial_ids) and bool(np.all(versions == r.policy_version))))
+    return GenRequest(request_id=r.trajectory_id, prompt_ids=[int(i) for i in r.prompt_ids],
+                      partial_ids=[int(i) for i in r.partial_ids],
+                      partial_logprobs=[float(x) for x in r.partial_logprobs], max_new_tokens=int(r.max_new_tokens),
+                      kv_moved=same)

@@ -36,31 +36,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from dora_rl.config import DoraConfig
-from dora_rl.core.instance_policy import next_version, startable
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
 from dora_rl.infra.kafka.keys import make_key, partition_for
 from dora_rl.infra.kafka.security import KafkaSecurityError
-from dora_rl.infra.kafka.signing import signed
 from dora_rl.infra.observability import prom
 from dora_rl.infra.weights.announcements import announcement_problem, kind_problem, sign
 from dora_rl.infra.weights.protocol import WeightFetchError
-from dora_rl.schemas.records import InstanceStatus, KvTransfer, PolicyVersion, RolloutRequest, TokenChunk, Trajectory
+from dora_rl.schemas.records import InstanceStatus, KvTransfer, PolicyVersion, RolloutRequest
 
 from .engine import Engine, GenRequest, GenResult
+from .instance_rules import RequestBook
 from .known_versions import KnownVersions
 from .kv_moves import KvInbox, KvOutbox
+from .outputs import aborted_chunk, handed_back, token_chunk, trajectory
 from .poison import PoisonGuard
-from .requests import RequestReader, make_engine
+from .requests import RequestReader, gen_request, make_engine
 
 log = logging.getLogger(__name__)
-
-FINISH = {"stop": "STOP", "length": "LENGTH", "abort": "ABORT"}
-
 
 class Instance:
     """State and Kafka outputs of one rollout instance (callbacks run in the generation thread)."""
@@ -73,14 +68,10 @@ class Instance:
         self.instance_id = f"rollout-{index}"
         self.producer = producer
         self.decode = decode
-        self.lock = threading.Lock()
-        self.pending: dict[str, tuple[int, RolloutRequest]] = {}  # not finished (queued or running)
-        self.running: set[str] = set()
-        self.call_ids: set[str] = set()  # every request of the engine call running now (joins included)
-        self.alone = False  # the running call holds one suspect alone: nothing joins it
+        self.lock = threading.Lock()  # held around every use of ``book`` (the generation thread finishes requests)
+        self.book = RequestBook(config.instance_concurrency)
         self.guard = guard
         self.chunk_pos: dict[str, int] = {}
-        self.held = -1
         self.tokens = 0
         self.busy_s = 0.0
         self.state = "STARTING"
@@ -93,7 +84,7 @@ class Instance:
             return
         self.last_hb = time.monotonic()
         with self.lock:
-            running = tuple(sorted(self.running))
+            running = tuple(sorted(self.book.running))
         st = InstanceStatus(run_id=self.run_id, instance_id=self.instance_id, instance_index=self.index,
                             loaded_version=self.held, state=self.state, in_flight=len(running),
                             capacity=self.config.instance_concurrency, in_flight_ids=running[:256],
@@ -101,62 +92,54 @@ class Instance:
                             ts_ms=now_ms())
         self.producer.send(self.out[topics.INSTANCES], st, make_key(max(self.held, 0), self.instance_id))
 
+    @property
+    def held(self) -> int:
+        """The version the engine holds (-1: none yet)."""
+        return self.book.held
+
     def _partition(self, group_id: str) -> int:
         return partition_for(group_id, self.config.num_partitions)
 
     def on_chunk(self, rid: str, ids: list[int], lps: list[float]) -> None:
-        req = self.pending[rid][1]
+        with self.lock:
+            req = self.book.request(rid)
         start = self.chunk_pos.get(rid, len(req.partial_ids))
         self.chunk_pos[rid] = start + len(ids)
-        self.producer.send(self.out[topics.TOKENS], TokenChunk(
-            run_id=self.run_id, trajectory_id=rid, group_id=req.group_id, policy_version=self.held,
-            instance_id=self.instance_id, start=start, token_ids=np.asarray(ids), logprobs=np.asarray(lps),
-            final=False, ts_ms=now_ms()), make_key(self.held, req.group_id), partition=self._partition(req.group_id))
+        self.producer.send(self.out[topics.TOKENS],
+                           token_chunk(self.run_id, self.instance_id, self.held, req, start, ids, lps, now_ms()),
+                           make_key(self.held, req.group_id), partition=self._partition(req.group_id))
         self.tokens += len(ids)
         self.heartbeat()
         crash_point("rollout.in_flight")
 
     def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float], kv: KvTransfer | None = None) -> None:
-        """Hand a cancelled trajectory back: its whole partial response (and where its KV rows wait), for migration;
-        signed, as the orchestrator resumes no other."""
-        self.producer.send(self.out[topics.TOKENS], signed(TokenChunk(
-            run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id,
-            policy_version=int(req.policy_version), instance_id=self.instance_id, start=0,
-            token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32), final=True,
-            ts_ms=now_ms(), aborted=True, kv=kv), self.token), make_key(int(req.policy_version), req.group_id),
-            partition=self._partition(req.group_id))
+        """Hand a cancelled trajectory back: its whole partial response (and where its KV rows wait)."""
+        self.producer.send(self.out[topics.TOKENS],
+                           aborted_chunk(self.run_id, self.instance_id, req, ids, lps, kv, now_ms(), self.token),
+                           make_key(int(req.policy_version), req.group_id), partition=self._partition(req.group_id))
+
+    def hand_back(self, req: RolloutRequest) -> None:
+        """Hand back a request that never started here, as the partial (and KV reference) it carried."""
+        chunk = handed_back(self.run_id, self.instance_id, req, now_ms(), self.token)
+        self.producer.send(self.out[topics.TOKENS], chunk, make_key(int(req.policy_version), req.group_id),
+                           partition=self._partition(req.group_id))
 
     def on_finish(self, res: GenResult) -> None:
-        req = self.pending[res.request_id][1]
+        with self.lock:
+            offset, req = self.book.pending[res.request_id]
         if res.finish_reason == "abort":
             kv = self.kv_out.put(res.request_id, res.kv) if res.kv is not None and self.kv_out is not None else None
             self.aborted(req, list(res.token_ids), list(res.logprobs), kv)
         else:
-            tv: np.ndarray | None = None
-            version = int(req.policy_version)
-            if req.partial_versions is not None:  # partial-rollout baseline: tokens of several versions
-                n_new = len(res.token_ids) - len(req.partial_ids)
-                tv = np.concatenate([np.asarray(req.partial_versions, dtype=np.int64),
-                                     np.full(n_new, self.held, dtype=np.int64)])
-                version = int(tv.min()) if len(tv) else version
-            traj = signed(Trajectory(
-                run_id=self.run_id, trajectory_id=req.trajectory_id, group_id=req.group_id, prompt_id=req.prompt_id,
-                sample_index=req.sample_index, group_size=req.group_size, policy_version=version,
-                task=req.task, reference=req.reference, prompt_ids=req.prompt_ids, token_versions=tv,
-                response_ids=np.asarray(res.token_ids, dtype=np.int32),
-                behaviour_logprobs=np.asarray(res.logprobs, dtype=np.float32),
-                response_text=self.decode(list(res.token_ids)), finish_reason=FINISH[res.finish_reason],
-                instance_id=self.instance_id, instance_version=self.held, dispatched_ms=req.dispatched_ms,
-                first_token_ms=int(res.first_token_s * 1000), finished_ms=int(res.finished_s * 1000)), self.token)
+            traj = trajectory(self.run_id, self.instance_id, self.held, req, res, self.decode, self.token)
             try:
                 self.producer.send(self.out[topics.TRAJECTORIES], traj, make_key(int(req.policy_version), req.group_id),
                                    partition=self._partition(req.group_id))
             except RecordTooLarge as exc:  # generating it again would not make it smaller: refuse the group
                 with self.lock:
-                    self.guard.refuse(self.pending[res.request_id][0], req, f"oversize trajectory: {exc}", "oversize")
+                    self.guard.refuse(offset, req, f"oversize trajectory: {exc}", "oversize")
         with self.lock:
-            self.pending.pop(res.request_id, None)
-            self.running.discard(res.request_id)
+            self.book.finished(res.request_id)
             self.chunk_pos.pop(res.request_id, None)
             self.guard.finished(res.request_id)
 
@@ -195,26 +178,12 @@ def hand_back(inst: Instance, reader: RequestReader) -> None:
     be resumed on an instance of its version; the partition is committed to its end, so an instance
     that takes this index later does not run again what the orchestrator moves elsewhere."""
     with inst.lock:
-        queued = [r for rid, (_, r) in sorted(inst.pending.items()) if rid not in inst.running]
-        for r in queued:
-            inst.pending.pop(r.trajectory_id)
-    for r in queued:  # a resume not started yet hands back the rows it named too (their exporter still holds them)
-        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs], r.kv)
+        queued = inst.book.hand_back()
+    for r in queued:
+        inst.hand_back(r)
     _, high = reader.consumer.get_watermark_offsets(reader.tp, timeout=10)
     reader.commit_before(high)
     log.info("leaving: %d queued requests handed back, request partition committed to %d", len(queued), high)
-
-
-def _gen_request(r: RolloutRequest) -> GenRequest:
-    """The engine's request for ``r``; ``kv_moved`` when its partial tokens were all written by its version
-    (their KV was computed by the weights it runs under)."""
-    versions = r.partial_versions  # None: every partial token is policy_version's (the schema's rule, C1)
-    same = len(r.partial_ids) > 0 and (versions is None or (
-        len(versions) == len(r.partial_ids) and bool(np.all(versions == r.policy_version))))
-    return GenRequest(request_id=r.trajectory_id, prompt_ids=[int(i) for i in r.prompt_ids],
-                      partial_ids=[int(i) for i in r.partial_ids],
-                      partial_logprobs=[float(x) for x in r.partial_logprobs], max_new_tokens=int(r.max_new_tokens),
-                      kv_moved=same)
 
 
 def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
@@ -250,7 +219,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         lambda name, v, why: metrics.emit(name, 1.0, None, v, **({"reason": why} if why else {})))
 
     def engine_request(r: RolloutRequest) -> GenRequest:
-        return _gen_request(r) if inbox is None else inbox.with_rows(r, _gen_request(r))
+        return gen_request(r) if inbox is None else inbox.with_rows(r, gen_request(r))
     gen_thread: threading.Thread | None = None
     gen_error: list[BaseException] = []
 
@@ -263,8 +232,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             gen_error.append(exc)
         except Exception as exc:  # the engine failed on some input: retry its unfinished requests (poison)
             with inst.lock:
-                failed = sorted(rid for rid in inst.call_ids if rid in inst.pending)
-                inst.running.difference_update(failed)
+                failed = inst.book.call_failed()
                 log.warning("engine call failed on %d unfinished requests (%s): %s", len(failed), failed[:4], exc)
                 metrics.emit("engine_failures", 1.0)
                 try:
@@ -280,28 +248,12 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         """The requests that start now (the instance rule and the poison rule), marked running and their
         tries made durable; refused ones are dead-lettered."""
         with inst.lock:
-            queued = [r for _, r in sorted(inst.pending.values(), key=lambda x: x[0])
-                      if r.trajectory_id not in inst.running]
-            refuse, alone, ok = guard.split(queued)
-            for r in refuse:
-                offset = inst.pending.pop(r.trajectory_id)[0]
+            st = inst.book.start(new_call, guard.split)
+            for offset, r in st.refused:
                 guard.refuse(offset, r)
-            held_alone = [r for r in alone if int(r.policy_version) == inst.held]
-            if new_call and held_alone:
-                batch, inst.alone = held_alone[:1], True
-            elif inst.alone and not new_call:
-                batch = []
-            else:
-                batch = startable(inst.held, ok, lambda r: int(r.policy_version), len(inst.running),
-                                  config.instance_concurrency)
-                inst.alone = False
-            if new_call:
-                inst.call_ids = set()
-            inst.call_ids.update(r.trajectory_id for r in batch)
-            inst.running.update(r.trajectory_id for r in batch)
-            if batch:
-                guard.starting([r.trajectory_id for r in batch], alone=inst.alone)
-        return batch
+            if st.batch:
+                guard.starting([r.trajectory_id for r in st.batch], alone=st.alone)
+        return list(st.batch)
 
     def load(version: int) -> bool:
         """Switch to ``version``: load it through the engine's hook, then serve it if we can; False
@@ -330,7 +282,8 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             if weights is not None:
                 producer.send(topics.in_run(run_id, topics.HOLDERS), holder.hold(version, weights, inst.held),
                               make_key(version, "policy"))
-        inst.held = version
+        with inst.lock:
+            inst.book.hold(version)
         metrics.emit("switch_s", time.perf_counter() - t0, version=version)
         return True
 
@@ -350,36 +303,29 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     known.on_holder(ann)
                 else:
                     known.on_trainer(ann)
-            for offset, req in reader.poll(0.02 if inst.pending else 0.2):
+            for offset, req in reader.poll(0.02 if inst.book.pending else 0.2):
                 if req.action == "CANCEL":
                     with inst.lock:
-                        entry = inst.pending.get(req.trajectory_id)
-                        queued = entry is not None and req.trajectory_id not in inst.running
-                        if queued:
-                            inst.pending.pop(req.trajectory_id)
-                    if queued and entry is not None:
-                        r = entry[1]
-                        inst.aborted(r, [int(i) for i in r.partial_ids], [float(x) for x in r.partial_logprobs], r.kv)
-                    elif entry is not None and not (inst.kv_out is not None and eng.export([req.trajectory_id])):
+                        cancel = inst.book.cancel(req.trajectory_id)
+                    if cancel.kind == "queued" and cancel.request is not None:
+                        inst.hand_back(cancel.request)
+                    elif cancel.kind == "running" and not (inst.kv_out is not None and eng.export([req.trajectory_id])):
                         eng.abort([req.trajectory_id])  # no rows to move: the resume prefills (vLLM, emulated)
                         metrics.emit("kv_fallback", 1.0, version=int(req.policy_version), reason="engine")
                     continue
                 with inst.lock:
-                    if req.trajectory_id not in inst.pending:
-                        inst.pending[req.trajectory_id] = (offset, req)
+                    inst.book.take(offset, req)
             if gen_thread is not None and gen_thread.is_alive():
                 batch = starting(new_call=False)  # continuous batching: join the running call (same version)
                 if batch and not eng.add([engine_request(r) for r in batch]):
                     with inst.lock:
-                        inst.running.difference_update(r.trajectory_id for r in batch)
-                        inst.call_ids.difference_update(r.trajectory_id for r in batch)
+                        inst.book.not_started(r.trajectory_id for r in batch)
                         guard.not_started([r.trajectory_id for r in batch], alone=False)
             else:
                 producer.flush()
                 with inst.lock:
-                    low = min((o for o, _ in inst.pending.values()), default=reader.next_offset)
-                    version = next_version(inst.held, (int(r.policy_version) for _, r in inst.pending.values()),
-                                           len(inst.running))
+                    low = inst.book.commit_below(reader.next_offset)
+                    version = inst.book.next_version()
                 reader.commit_before(low)
                 if version is None:
                     inst.state = "IDLE"

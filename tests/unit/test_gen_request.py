@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dora_rl.producers.rollout.worker import _gen_request
+from dora_rl.producers.rollout.requests import gen_request
 from dora_rl.schemas.records import RolloutRequest
 
 
@@ -27,6 +27,6 @@ def _request(partial: list[int], versions: list[int] | None) -> RolloutRequest:
 ])
 def test_kv_moved_only_when_every_partial_token_is_the_requests_version(
         partial: list[int], versions: list[int] | None, moved: bool) -> None:
-    req = _gen_request(_request(partial, versions))
+    req = gen_request(_request(partial, versions))
     assert req.kv_moved is moved
     assert req.partial_ids == partial and req.max_new_tokens == 8
