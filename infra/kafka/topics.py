@@ -122,7 +122,7 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
           "dispatches version-tagged requests, migrates trajectories, plans every batch"),
     Actor("rollout", "role", "dora-rl rollout --index i",
           ("producers/rollout/worker.py", "producers/rollout/requests.py", "producers/rollout/poison.py",
-           "producers/rollout/identity.py",
+           "producers/rollout/identity.py", "producers/rollout/instance_processor.py",
            "infra/kafka/snapshots.py", _ROLE_ENTRY),
           "a rollout instance: holds one policy version, generates what it is asked"),
     Actor("scorer", "role", "dora-rl scorer",

@@ -60,7 +60,8 @@ class CancelOutcome:
 class RequestBook:
     """The requests one instance holds and what it may do with them (see the module docstring).
 
-    Not thread-safe: the worker holds its lock around every call."""
+    Not thread-safe: the worker holds its lock around every change. Its generation thread reads a running
+    request's entry without it: only that thread removes a running request (:meth:`finished`)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -78,6 +78,7 @@ class Instance:
         self.last_hb = 0.0
         self.endpoint = ""
         self.kv_out: KvOutbox | None = None  # serves exported KV rows (an engine that exports, a holder)
+        self.prepared: dict[str, GenRequest] = {}  # engine requests a refused join built (their KV rows fetched)
 
     def heartbeat(self, force: bool = False) -> None:
         if not force and time.monotonic() - self.last_hb < self.config.heartbeat_s:
@@ -101,8 +102,7 @@ class Instance:
         return partition_for(group_id, self.config.num_partitions)
 
     def on_chunk(self, rid: str, ids: list[int], lps: list[float]) -> None:
-        with self.lock:
-            req = self.book.request(rid)
+        req = self.book.request(rid)  # no lock: only this thread removes a running request (finished)
         start = self.chunk_pos.get(rid, len(req.partial_ids))
         self.chunk_pos[rid] = start + len(ids)
         self.producer.send(self.out[topics.TOKENS],
@@ -120,13 +120,14 @@ class Instance:
 
     def hand_back(self, req: RolloutRequest) -> None:
         """Hand back a request that never started here, as the partial (and KV reference) it carried."""
+        with self.lock:
+            self.prepared.pop(req.trajectory_id, None)  # rows fetched for a refused join: their exporter still serves
         chunk = handed_back(self.run_id, self.instance_id, req, now_ms(), self.token)
         self.producer.send(self.out[topics.TOKENS], chunk, make_key(int(req.policy_version), req.group_id),
                            partition=self._partition(req.group_id))
 
     def on_finish(self, res: GenResult) -> None:
-        with self.lock:
-            offset, req = self.book.pending[res.request_id]
+        offset, req = self.book.pending[res.request_id]  # as in on_chunk: the main loop may hold the lock, flushing
         if res.finish_reason == "abort":
             kv = self.kv_out.put(res.request_id, res.kv) if res.kv is not None and self.kv_out is not None else None
             self.aborted(req, list(res.token_ids), list(res.logprobs), kv)
@@ -219,6 +220,11 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         lambda name, v, why: metrics.emit(name, 1.0, None, v, **({"reason": why} if why else {})))
 
     def engine_request(r: RolloutRequest) -> GenRequest:
+        """The engine's request for ``r`` with the KV rows it names: fetched once (a refused join keeps them)."""
+        with inst.lock:
+            ready = inst.prepared.pop(r.trajectory_id, None)
+        if ready is not None:
+            return ready
         return gen_request(r) if inbox is None else inbox.with_rows(r, gen_request(r))
     gen_thread: threading.Thread | None = None
     gen_error: list[BaseException] = []
@@ -317,8 +323,10 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
                     inst.book.take(offset, req)
             if gen_thread is not None and gen_thread.is_alive():
                 batch = starting(new_call=False)  # continuous batching: join the running call (same version)
-                if batch and not eng.add([engine_request(r) for r in batch]):
+                joining = [engine_request(r) for r in batch]
+                if batch and not eng.add(joining):
                     with inst.lock:
+                        inst.prepared.update((g.request_id, g) for g in joining)
                         inst.book.not_started(r.trajectory_id for r in batch)
                         guard.not_started([r.trajectory_id for r in batch], alone=False)
             else:

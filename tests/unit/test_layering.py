@@ -47,7 +47,11 @@ def test_callers_drive_interfaces_without_probing(path: str) -> None:
 
 
 def test_simulator_and_worker_share_the_instance_rule() -> None:
-    for path in ("streams/simulator.py", "producers/rollout/worker.py"):
+    """The simulator and the rollout instance's request book (which the worker and its processor keep) call one rule."""
+    worker = (REPO / "producers/rollout/worker.py").read_text()
+    assert "from .instance_rules import RequestBook" in worker and "next_version(" not in worker.replace(
+        "book.next_version(", "")
+    for path in ("streams/simulator.py", "producers/rollout/instance_rules.py"):
         text = (REPO / path).read_text()
         assert "from dora_rl.core.instance_policy import next_version, startable" in text, path
 
