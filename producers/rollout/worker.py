@@ -256,6 +256,7 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
         with inst.lock:
             st = inst.book.start(new_call, guard.split)
             for offset, r in st.refused:
+                inst.prepared.pop(r.trajectory_id, None)
                 guard.refuse(offset, r)
             if st.batch:
                 guard.starting([r.trajectory_id for r in st.batch], alone=st.alone)
