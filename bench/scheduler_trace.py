@@ -33,6 +33,7 @@ from paper import Efficiencies, Setting, Workload, run, run_many
 from scheduler import HOP_US, MFU
 
 from dora_rl.streams import simulator
+from dora_rl.streams.dora_rules import newest_can_take
 
 
 def reported(gpus: int) -> dict[str, Setting]:
@@ -83,7 +84,7 @@ def describe(sched: Any, now: float) -> str:
     st, c = sched.state, sched.state.counts
     iv = list(st.instance_version)
     return (f"t={now:.0f} latest={st.latest} versions={iv} loads={[c.load.get(i, 0) for i in range(len(iv))]} "
-            f"in_flight={dict(sorted(c.in_flight.items()))} newest_can_take={sched._newest_can_take()} "
+            f"in_flight={dict(sorted(c.in_flight.items()))} newest_can_take={newest_can_take(sched)} "
             f"unconsumed={sched.unconsumed()}")
 
 

@@ -44,24 +44,26 @@ newest version, quotas and holders as the last one left them, no draining instan
 ``O(versions)``: it is skipped, with the same outcome (``tests/unit/test_dora_policy.py``). A
 draining instance is switched when it empties (the counts note who emptied), not found by a scan. No
 rule scans every trajectory or every instance on an event or a poll; ``consolidate``'s levelling scans the
-instances once per re-partition that levels (``O(instances + the trajectories it moves)``). The partial-rollout
-baseline reuses these rules (:mod:`dora_rl.streams.partial_policy`).
+instances once per re-partition that levels (``O(instances + the trajectories it moves)``). Rules 1-3 and 5
+(feasibility, re-partition) and the version a moved trajectory resumes under are a
+:class:`~.dora_policy.VersionRules` value, DORA's in :mod:`.dora_rules`; the partial-rollout baseline runs this
+scheduler with its own (:mod:`dora_rl.streams.partial_policy`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from dora_rl.config import DoraConfig
 
 from .dora_state import LOST, DoraState, ResumeQueue, TrajState
-from .kv_room import LengthMoments, consolidated_quotas, excess, keep_order, kv_slots
+from .kv_room import LengthMoments
 from .membership import Membership
 from .planning import Planner
-from .repartition import assign, drain_moves, drained, quotas
+from .repartition import drained
 from .scheduling_events import (
     Aborted,
     Cancel,
@@ -100,10 +102,10 @@ class VersionRules(Protocol):
 
 
 class DoraScheduler(Generic[P]):
-    """The DORA dispatch policy (see the module docstring; implements ``SchedulingRules``); with
-    ``versions``, the same machinery under another mode's :class:`VersionRules`."""
+    """The multi-version scheduling machinery (see the module docstring; implements ``SchedulingRules``) under
+    a mode's :class:`VersionRules`: DORA's (:mod:`.dora_rules`) or the partial baselines' (:mod:`.partial_policy`)."""
 
-    def __init__(self, config: DoraConfig, versions: VersionRules | None = None) -> None:
+    def __init__(self, config: DoraConfig, versions: VersionRules) -> None:
         self.versions = versions
         self.bound = config.staleness_bound
         self.tbs = config.train_batch_size
@@ -288,119 +290,12 @@ class DoraScheduler(Generic[P]):
         return sorted(live)
 
     def feasible(self, version: int, n: int) -> bool:
-        """Rules 1–3: window, RBS and total budget, and the EDF condition (``planning.feasible``)."""
-        if self.versions is not None:
-            return self.versions.feasible(self, version, n)
-        st = self.state
-        if version < 0 or not self.bound.in_window(st.latest, version):
-            return False
-        if self.unconsumed() + n > self.rbs or st.dispatched + n > self.steps * self.tbs:
-            return False
-        return self.planner.can_add(version, n)
+        """Whether ``n`` more trajectories of ``version`` may be dispatched now (the version rules)."""
+        return self.versions.feasible(self, version, n)
 
     def repartition(self) -> list[Cancel]:
-        """Rule 5: reassign instances to live versions; returns the cancels it caused."""
-        if self.versions is not None:
-            return self.versions.repartition(self)
-        self.repartitions += 1
-        latest = self.state.latest
-        if latest < 0:
-            return []
-        counts = self.state.counts
-        n_live = len(self.state.instance_version) - len(counts.members.get(LOST, ()))
-        members: Mapping[int, Sequence[int]] = counts.members
-        if self.consolidate:
-            quota, members = self._consolidated(n_live)
-        else:
-            pending: dict[int, float] = {v: float(self.in_flight(v)) for v in self.live_versions()}
-            headroom = max(0, min(self.rbs - self.unconsumed(), self.steps * self.tbs - self.state.dispatched))
-            pending[latest] = pending.get(latest, 0.0) + headroom
-            quota = quotas(pending, n_live)
-        if not quota:
-            return []
-        same = (latest, quota, counts.epoch, self.slots)
-        emptied, draining = counts.emptied, self.state.draining
-        if same == self._unchanged and not (draining and (emptied is None or any(i in draining for i in emptied))):
-            self.unchanged_repartitions += 1
-            # what it would decide is what holds now: nothing moves, the same instances drain
-            return self._levelled() if self._levelling() else []
-        current = self.state.instance_version
-        moves = assign(members, quota, latest, LOST)  # the free instances only: O(versions + moved)
-        if self.drain:  # moved instances still decoding keep their version until empty (nothing cancelled)
-            self.state.drain(drain_moves(current, moves, counts.load))
-            counts.emptied = set()  # every draining instance decodes now
-        cancels: list[Cancel] = []
-        trajs = self.state.trajs
-        for i, version in moves.items():
-            if current[i] >= 0 and version != current[i]:
-                self.switches += 1
-                # what it decodes of its version, in trajs order (from the counts: O(its load))
-                moving = tuple(sorted((tid for tid in counts.placed.get(i, ()) if trajs[tid].version == current[i]),
-                                      key=counts.pos.__getitem__))
-                if moving:
-                    cancels.append(self._move_off(i, moving))
-        for i, version in moves.items():
-            if version != current[i]:
-                self.state.hold(i, version)
-        self._unchanged = (latest, quota, counts.epoch, self.slots)
-        self.cancels.extend(cancels)
-        if self._levelling():
-            cancels += self._levelled()
-        return cancels
-
-    def _move_off(self, instance: int, tids: tuple[str, ...]) -> Cancel:
-        """Cancel ``tids`` on ``instance``; each resumes, with its partial, on an instance of its version."""
-        for tid in tids:
-            self.state.migrating[tid] = instance
-            self.state.place(tid, -1)
-        return Cancel(instance, tids)
-
-    def _levelling(self) -> bool:
-        """``consolidate`` levels (rather than packs) now: the newest version can take nothing."""
-        return self.consolidate and self.level and not self._newest_can_take()
-
-    def _newest_can_take(self) -> bool:
-        """Whether the newest version could be given a group now (prompts left, rules 1-3 allow it)."""
-        return bool(self._prompts) and self.feasible(self.state.latest, self.G)
-
-    def _levelled(self) -> list[Cancel]:
-        """``consolidate`` while the newest version can take nothing: each version's in-flight work moved
-        (with its KV) off its fullest instances to its emptiest (:func:`~.kv_room.excess`)."""
-        counts, trajs, out = self.state.counts, self.state.trajs, []  # O(instances): a re-partition, not an event
-        for v, holders in counts.members.items():
-            if v < 0 or len(holders) < 2:
-                continue
-            for i, n in excess({i: counts.load.get(i, 0) for i in holders}).items():
-                placed = [t for t in counts.placed.get(i, ()) if not trajs[t].done and trajs[t].version == v]
-                moving = tuple(sorted(placed, key=counts.pos.__getitem__)[-n:])
-                if moving:
-                    out.append(self._move_off(i, moving))
-        self.cancels.extend(out)
-        return out
-
-    def _consolidated(self, n_live: int) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
-        """``consolidate``: the slots per instance from KV room (what packing counts; what an instance is
-        given only with ``kv_admission``), each version's quota by what its in-flight work needs, and its
-        holders in the order :func:`assign` keeps them (least loaded freed first); see :mod:`.kv_room`."""
-        need_slots = kv_slots(self.kv_tokens, self.lengths, self.capacity)
-        slots = need_slots if self.kv_admission else self.capacity
-        if slots != self.slots:
-            self.slots = slots
-            self._heaps.reset()
-        counts, latest = self.state.counts, self.state.latest
-        if self._levelling():  # spread: stragglers decode faster on emptier instances
-            return quotas({v: float(n) for v, n in counts.in_flight.items() if v >= 0}, n_live), dict(counts.members)
-        in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
-        held = {v: len(h) for v, h in counts.members.items() if v >= 0}
-        due = latest - self.bound.max_staleness if self.unpack_due else -1  # trained at the next step
-        loaded = ({v: len(h) - counts.idle.get(v, 0) for v, h in counts.members.items() if 0 <= v <= due}
-                  if self.free_empty_due else None)  # holders decoding its work, from the counts: O(versions)
-        quota = consolidated_quotas(in_flight, held, latest, n_live, need_slots, due=due, loaded=loaded)
-        members: dict[int, Sequence[int]] = dict(counts.members)
-        for v, holders in counts.members.items():
-            if v >= 0 and quota.get(v, 0) < len(holders):
-                members[v] = keep_order(holders, counts.load)
-        return quota, members
+        """Re-partition instances among live versions (the version rules); returns the cancels it caused."""
+        return self.versions.repartition(self)
 
     def pressure(self) -> bool:
         """Load pressure: a version has more in-flight work than its instances' slots while an
@@ -472,10 +367,8 @@ class DoraScheduler(Generic[P]):
         return self._heaps.get(self.state, version, self.slots)
 
     def resume_version(self, trajectory_id: str) -> int:
-        """Version a migrating trajectory resumes under: its own (C1)."""
-        if self.versions is not None:
-            return self.versions.resume_version(self, trajectory_id)
-        return self.state.trajs[trajectory_id].version
+        """Version a migrating trajectory resumes under (the version rules; DORA's: its own, C1)."""
+        return self.versions.resume_version(self, trajectory_id)
 
     def _resumes(self) -> list[tuple[Migration, int]]:
         """Migrations that can be placed now: (migration, target instance holding its resume version).

@@ -11,6 +11,7 @@ import pytest
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import EmulatedParams
 from dora_rl.streams.dora_policy import DoraScheduler
+from dora_rl.streams.dora_rules import dora_scheduler
 from dora_rl.streams.planning import GroupView, feasible, plan_batch
 from dora_rl.streams.scheduling_events import Aborted, Completed, PromptQueued, Scored, Tick, VersionSeen
 from dora_rl.streams.simulator import simulate
@@ -139,7 +140,7 @@ def test_plan_waits_for_a_straggler_due_now_and_prefers_early_deadlines() -> Non
 
 
 def test_window_and_budget() -> None:
-    sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 1, 64))
+    sched: DoraScheduler[str] = dora_scheduler(_cfg("dora", 1, 64))
     for i in range(40):
         sched.handle(PromptQueued(f"g{i}", "p"))
     sched.handle(VersionSeen(0, 0.0))
@@ -151,7 +152,7 @@ def test_window_and_budget() -> None:
 
 
 def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_the_rest() -> None:
-    sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 2, 96))
+    sched: DoraScheduler[str] = dora_scheduler(_cfg("dora", 2, 96))
     for i in range(40):
         sched.handle(PromptQueued(f"g{i}", "p"))
     sched.handle(VersionSeen(0, 0.0))
@@ -176,7 +177,7 @@ def test_repartition_keeps_an_instance_for_each_version_with_work_and_migrates_t
 
 
 def test_repartition_triggers_timer_and_pressure() -> None:
-    sched: DoraScheduler[str] = DoraScheduler(_cfg("dora", 2, 96, repartition_s=10.0))
+    sched: DoraScheduler[str] = dora_scheduler(_cfg("dora", 2, 96, repartition_s=10.0))
     for i in range(40):
         sched.handle(PromptQueued(f"g{i}", "p"))
     sched.handle(VersionSeen(0, now=100.0))

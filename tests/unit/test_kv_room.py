@@ -10,6 +10,7 @@ import pytest
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import EmulatedParams
 from dora_rl.streams.dora_policy import DoraScheduler
+from dora_rl.streams.dora_rules import dora_scheduler
 from dora_rl.streams.kv_room import (
     MIN_SAMPLES,
     LengthMoments,
@@ -72,7 +73,7 @@ def test_a_due_version_gives_up_the_instances_it_left_empty() -> None:
 
 @pytest.mark.parametrize("free_empty", [True, False])
 def test_the_scheduler_frees_an_empty_instance_of_the_due_version(free_empty: bool) -> None:
-    s: DoraScheduler[str] = DoraScheduler(_cfg(2, 64, consolidate_level=False,
+    s: DoraScheduler[str] = dora_scheduler(_cfg(2, 64, consolidate_level=False,
                                                consolidate_free_empty_due=free_empty))
     for g in range(40):
         s.handle(PromptQueued(f"g{g}", "p"))
@@ -109,7 +110,7 @@ def test_the_rules_see_completed_token_counts_never_the_engines_lengths() -> Non
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not any("emulation" in m for m in imported), f"{name} imports the engine's length model"
     cfg = _cfg(2, 96, instance_kv_tokens=4000, consolidate_kv_admission=True)
-    s: DoraScheduler[str] = DoraScheduler(cfg)
+    s: DoraScheduler[str] = dora_scheduler(cfg)
     s.handle(VersionSeen(0, 0.0))
     s.repartition()
     assert s.slots == cfg.instance_concurrency  # nothing completed yet: the engine's limit

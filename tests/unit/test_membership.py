@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dora_rl.config import DoraConfig
 from dora_rl.streams.dora_policy import DoraScheduler
+from dora_rl.streams.dora_rules import dora_scheduler
 from dora_rl.streams.dora_state import LOST
 from dora_rl.streams.membership import Membership
 from dora_rl.streams.scheduling_events import Heartbeat, PromptQueued, Tick, VersionSeen
@@ -32,7 +33,7 @@ def _cfg(**kw: object) -> DoraConfig:
 
 
 def test_a_lost_instance_work_is_generated_again_on_the_same_version_and_a_newcomer_gets_work() -> None:
-    s: DoraScheduler[str] = DoraScheduler(_cfg())
+    s: DoraScheduler[str] = dora_scheduler(_cfg())
     for i in range(4):
         s.handle(PromptQueued(f"g{i}", f"prompt {i}"))
     s.handle(Heartbeat(0, 0.0))
@@ -54,7 +55,7 @@ def test_a_lost_instance_work_is_generated_again_on_the_same_version_and_a_newco
 
 
 def test_a_graceful_leave_moves_the_work_at_once_and_the_index_can_come_back() -> None:
-    s: DoraScheduler[str] = DoraScheduler(_cfg())
+    s: DoraScheduler[str] = dora_scheduler(_cfg())
     for i in range(4):
         s.handle(PromptQueued(f"g{i}", f"prompt {i}"))
     s.handle(Heartbeat(0, 0.0))

@@ -8,6 +8,7 @@ import random
 
 from dora_rl.config import DoraConfig
 from dora_rl.streams.dora_policy import DoraScheduler
+from dora_rl.streams.dora_rules import dora_scheduler
 from dora_rl.streams.dora_state import LOST
 from dora_rl.streams.repartition import assign, drain_moves, drained, quotas
 from dora_rl.streams.scheduler_state import dump_state, load_state
@@ -101,7 +102,7 @@ def _cfg(policy: str) -> DoraConfig:
 
 
 def _sched(policy: str) -> DoraScheduler[str]:
-    s: DoraScheduler[str] = DoraScheduler(_cfg(policy))
+    s: DoraScheduler[str] = dora_scheduler(_cfg(policy))
     for g in range(4):  # 8 trajectories of version 0 fill both instances; 4 more fit the RBS later
         s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
     s.handle(Heartbeat(0, 0.0))
@@ -128,7 +129,7 @@ def test_drain_cancels_nothing_and_switches_when_empty() -> None:
     (mover, target), = s.state.draining.items()
     assert target == 1 and s.state.instance_version[mover] == 0  # held on its version while it decodes
     assert all(d.instance != mover for d in s.decide().dispatches)  # no new work while draining
-    restored: DoraScheduler[str] = DoraScheduler(_cfg("drain"))  # a restarted orchestrator, from the snapshot
+    restored: DoraScheduler[str] = dora_scheduler(_cfg("drain"))  # a restarted orchestrator, from the snapshot
     load_state(restored, dump_state(s, lambda p: p), lambda p: p)
     for sched in (s, restored):
         assert sched.state.draining == {mover: 1}
