@@ -317,7 +317,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             tr.version = mig.version
             admit(insts[target], tr, now)
         for step, tids in decided.plans:
-            asm.on_plan(step, list(tids))
+            asm.on_plan(step, tids)
         return aborted
 
     def admit(inst: _Instance, tr: _Traj, now: float) -> None:

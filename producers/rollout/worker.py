@@ -98,33 +98,32 @@ class Instance:
         """The version the engine holds (-1: none yet)."""
         return self.book.held
 
-    def _partition(self, group_id: str) -> int:
-        return partition_for(group_id, self.config.num_partitions)
+    def _send(self, topic: str, record: Any, req: RolloutRequest, version: int | None = None) -> None:
+        """Write ``record`` about ``req`` to ``topic``, keyed by its version and group, on its group's partition."""
+        key = make_key(int(req.policy_version) if version is None else version, req.group_id)
+        partition = partition_for(req.group_id, self.config.num_partitions)
+        self.producer.send(self.out[topic], record, key, partition=partition)
 
     def on_chunk(self, rid: str, ids: list[int], lps: list[float]) -> None:
         req = self.book.request(rid)  # no lock: only this thread removes a running request (finished)
         start = self.chunk_pos.get(rid, len(req.partial_ids))
         self.chunk_pos[rid] = start + len(ids)
-        self.producer.send(self.out[topics.TOKENS],
-                           token_chunk(self.run_id, self.instance_id, self.held, req, start, ids, lps, now_ms()),
-                           make_key(self.held, req.group_id), partition=self._partition(req.group_id))
+        self._send(topics.TOKENS, token_chunk(self.run_id, self.instance_id, self.held, req, start, ids, lps, now_ms()),
+                   req, self.held)
         self.tokens += len(ids)
         self.heartbeat()
         crash_point("rollout.in_flight")
 
     def aborted(self, req: RolloutRequest, ids: list[int], lps: list[float], kv: KvTransfer | None = None) -> None:
         """Hand a cancelled trajectory back: its whole partial response (and where its KV rows wait)."""
-        self.producer.send(self.out[topics.TOKENS],
-                           aborted_chunk(self.run_id, self.instance_id, req, ids, lps, kv, now_ms(), self.token),
-                           make_key(int(req.policy_version), req.group_id), partition=self._partition(req.group_id))
+        self._send(topics.TOKENS, aborted_chunk(self.run_id, self.instance_id, req, ids, lps, kv, now_ms(), self.token),
+                   req)
 
     def hand_back(self, req: RolloutRequest) -> None:
         """Hand back a request that never started here, as the partial (and KV reference) it carried."""
         with self.lock:
             self.prepared.pop(req.trajectory_id, None)  # rows fetched for a refused join: their exporter still serves
-        chunk = handed_back(self.run_id, self.instance_id, req, now_ms(), self.token)
-        self.producer.send(self.out[topics.TOKENS], chunk, make_key(int(req.policy_version), req.group_id),
-                           partition=self._partition(req.group_id))
+        self._send(topics.TOKENS, handed_back(self.run_id, self.instance_id, req, now_ms(), self.token), req)
 
     def on_finish(self, res: GenResult) -> None:
         offset, req = self.book.pending[res.request_id]  # as in on_chunk: the main loop may hold the lock, flushing
@@ -134,8 +133,7 @@ class Instance:
         else:
             traj = trajectory(self.run_id, self.instance_id, self.held, req, res, self.decode, self.token)
             try:
-                self.producer.send(self.out[topics.TRAJECTORIES], traj, make_key(int(req.policy_version), req.group_id),
-                                   partition=self._partition(req.group_id))
+                self._send(topics.TRAJECTORIES, traj, req)
             except RecordTooLarge as exc:  # generating it again would not make it smaller: refuse the group
                 with self.lock:
                     self.guard.refuse(offset, req, f"oversize trajectory: {exc}", "oversize")
