@@ -13,6 +13,8 @@ every section, so a run cut short keeps what it measured. Sections (``bench/gpu_
 - ``logprobs``: engine vs trainer log-probs of the same sampled tokens, fp32 and bf16 (mean / max gap);
 - ``bf16_update``: ``‖Δθ_bf16 − Δθ_fp32‖ / ‖Δθ_fp32‖`` over 8 minibatches (<= 0.05), clip fraction of both;
 - ``packing`` / ``static_cache``: packed loss equals padded loss; static-cache tokens equal growing-cache ones;
+- ``kv_move``: a request moved mid-decode with its KV cache, against the same batch unmoved and against a
+  batch-size change alone, fp32 and bf16 (``bench/gpu_kv_move.py``);
 - ``fsdp``: FSDP2 with one rank (NCCL on a GPU, gloo on the CPU) against the unsharded update;
 - ``checkpoint``: save, load into a fresh trainer, one more update on both: identical;
 - ``rl_loop``: SFT warm-up then 15 RL steps of the tiny model with bf16 trainer and engine (fixed seed):
@@ -43,10 +45,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_sections as sec  # noqa: E402
 import torch  # noqa: E402
+from gpu_kv_move import kv_move  # noqa: E402
 
 SECTIONS = {"env": sec.env, "packing": sec.packing, "static_cache": sec.static_cache, "bf16_update": sec.bf16_update,
-            "checkpoint": sec.checkpoint_section, "fsdp": sec.fsdp, "logprobs": sec.logprobs, "update": sec.update,
-            "rl_loop": sec.rl_loop, "engine": sec.engine}
+            "checkpoint": sec.checkpoint_section, "fsdp": sec.fsdp, "logprobs": sec.logprobs, "kv_move": kv_move,
+            "update": sec.update, "rl_loop": sec.rl_loop, "engine": sec.engine}
 
 
 def commit() -> str:

@@ -25,12 +25,13 @@ def test_small_mode_runs_every_section_and_passes_every_check(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["sections"]) == {"env", "packing", "static_cache", "bf16_update", "checkpoint", "fsdp",
-                                       "logprobs", "engine", "update", "rl_loop"}
+                                       "logprobs", "engine", "update", "rl_loop", "kv_move"}
     assert all("error" not in body for body in result["sections"].values())
     checks = result["checks"]
     assert checks["bf16_update.relative_to_fp32"]["value"] <= 0.05
     for name in ("packing.logprob_gap", "static_cache.same_tokens", "checkpoint.round_trip", "fsdp.one_rank_fp32",
-                 "fsdp.one_rank_bf16", "logprobs.fp32_mean"):
+                 "fsdp.one_rank_bf16", "logprobs.fp32_mean", "kv_move.fp32.imports",
+                 "kv_move.fp32.same_tokens_vs_rebatched"):
         assert checks[name]["pass"], name
     assert not NOT_ON_A_GPU_MACHINE & set(result["modules"])
     assert took < 60, f"the small mode took {took:.0f} s"
