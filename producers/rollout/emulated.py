@@ -309,7 +309,8 @@ class EmulatedEngine:
                         finish(s, "abort", stand_in_rows([*s.req.prompt_ids, *s.toks, *s.new_ids[:s.pos]])
                                if moved else None)
                 if not active and not waiting:
-                    break
+                    continue  # the top of the loop ends the call, under the lock: a request add() took since
+                    # the swap above is admitted there (leaving here dropped it while the caller held it running)
             t = admit(t)
             if not active:
                 continue

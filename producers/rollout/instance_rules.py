@@ -138,6 +138,14 @@ class RequestBook:
         self.running.difference_update(failed)
         return failed
 
+    def call_ended(self) -> list[str]:
+        """The engine call returned: a request still marked running was never reported by it (an engine that
+        accepted a join and dropped it); back to queued so the next call starts it (sorted ids returned)."""
+        stranded = sorted(self.running)
+        self.running.clear()
+        self.call_ids.clear()
+        return stranded
+
     def finished(self, trajectory_id: str) -> RolloutRequest | None:
         """The engine is done with a request (finished, refused or handed back): it leaves the book."""
         entry = self.pending.pop(trajectory_id, None)

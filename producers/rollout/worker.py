@@ -331,9 +331,14 @@ def run_rollout(bootstrap: str, run_id: str, config: DoraConfig, index: int,
             else:
                 producer.flush()
                 with inst.lock:
+                    stranded = inst.book.call_ended()
                     low = inst.book.commit_below(reader.next_offset)
                     version = inst.book.next_version()
                 reader.commit_before(low)
+                if stranded:  # the engine dropped requests it had taken: they start again in the next call
+                    log.warning("the engine call ended without %d of its requests (%s): starting them again",
+                                len(stranded), stranded[:4])
+                    metrics.emit("engine_dropped", float(len(stranded)))
                 if version is None:
                     inst.state = "IDLE"
                     inst.heartbeat()

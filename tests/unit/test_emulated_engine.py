@@ -256,3 +256,30 @@ def test_an_exported_request_carries_rows_an_importer_checks_against_its_tokens(
     assert spent["rows"][1:] == (1, 0) and spent["foreign"][1:] == (0, 1) and spent["none"][1:] == (0, 0)
     assert spent["foreign"][0] - spent["rows"][0] == pytest.approx(ctx * (1e-3 - 1e-6), rel=1e-6)
     assert spent["none"][0] == pytest.approx(spent["foreign"][0])  # no rows and not kv_moved: a prefill
+
+
+def test_a_request_added_while_the_last_one_is_aborted_is_generated_not_dropped() -> None:
+    """The race a CI run hung on (2026-11-28): ``add`` admitted a request between the loop taking the incoming
+    ones and an abort emptying the call, and the call then ended and cleared it; the worker held it as running,
+    nothing generated it, and the run stalled. Here the add lands exactly in that window."""
+    eng = EmulatedEngine(FAST)
+    rid = _long_request_id(FAST, 512, 100)
+    finished: list[str] = []
+    original = eng._aborted
+    added: list[bool] = []
+
+    def aborted_then_add(epoch0: int) -> tuple[set[str], bool]:
+        ids, every = original(epoch0)
+        if rid in ids and not added:  # after the swap of incoming requests, before the abort empties the call
+            added.append(eng.add([_req("late/0", 8)]))
+        return ids, every
+
+    eng._aborted = aborted_then_add  # type: ignore[method-assign]
+
+    def on_chunk(r: str, ids: list[int], lp: list[float]) -> None:
+        eng.abort([r])
+
+    results = eng.generate([_req(rid)], on_chunk=on_chunk, chunk_tokens=16,
+                           on_finish=lambda res: finished.append(res.request_id))
+    assert added == [True]
+    assert "late/0" in finished and any(r.request_id == "late/0" and r.finish_reason != "abort" for r in results)

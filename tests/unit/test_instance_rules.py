@@ -112,3 +112,19 @@ def test_a_graceful_leave_hands_back_the_queued_and_keeps_the_running() -> None:
     assert running not in {r.trajectory_id for r in back} and [r.trajectory_id for r in back] == sorted(
         r.trajectory_id for r in back) and len(back) == 2
     assert set(book.pending) == {running} and book.commit_below(99) == 0
+
+
+def test_requests_a_call_ended_without_are_queued_again_and_start_in_the_next_call() -> None:
+    """An engine that accepted a join and dropped it (the emulated engine did, 2026-11-28): when the call
+    returns, what is still marked running goes back to queued, so the instance does not wait on it forever."""
+    book = RequestBook(capacity=4)
+    book.take(0, _req(1, 0))
+    book.hold(0)
+    assert [r.trajectory_id for r in book.start(new_call=True).batch] == ["r/p1/0"]
+    book.take(1, _req(2, 0))
+    assert [r.trajectory_id for r in book.start(new_call=False).batch] == ["r/p2/0"]  # joined
+    book.finished("r/p1/0")  # the engine reported the first, never the joined one
+    assert book.call_ended() == ["r/p2/0"]
+    assert [r.trajectory_id for r in book.start(new_call=True).batch] == ["r/p2/0"]
+    book.finished("r/p2/0")
+    assert book.call_ended() == [] and not book.pending
