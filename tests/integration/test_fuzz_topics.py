@@ -49,6 +49,10 @@ CONFIG = emulated_run(steps=12, seed=17, max_new_tokens=64, emulated={"base_step
 
 NEIGHBOUR_HELD_S = 300
 """The transaction timeout of the stalled run beside the fuzzed one: how long it would hold back a shared topic."""
+FORGED_OFFSET = 2**40
+"""The source offset the forged refusals name: never a record's, so the letters the test itself writes are not
+counted as a reader's letter for an injected record (at offset 0 they were, once partition 0 of dora.rollout.scored
+was still empty when the garbage landed: CI, 2026-11-28)."""
 
 LAST_GROUP = CONFIG["steps"] * CONFIG["train_batch_size"] // CONFIG["group_size"] - 1
 """A group still queued when the records arrive (after the first step): a forged refusal of it must not lose it."""
@@ -169,7 +173,7 @@ def test_hostile_records_on_every_topic_do_not_stop_or_corrupt_a_live_run(bootst
         trainer_on_holders = sign(genuine.replace(run_id=run_id, signature=None), token)
         queued, unknown, in_flight = (
             DeadLetter(component="fuzz", reason="forged", error_type="input", source_topic=topics.SCORED,
-                       source_partition=0, source_offset=0, ts_ms=0, run_id=run_id, group_id=g)
+                       source_partition=0, source_offset=FORGED_OFFSET, ts_ms=0, run_id=run_id, group_id=g)
             for g in (f"{run_id}/p{LAST_GROUP}", f"{run_id}/no-such-group", recent[0].group_id))
         for rec, topic, kind in (*hostile, (nan, topics.SCORED, "nan_reward"),
                                  (no_holder, topics.VERSIONS, "no_holder"),
