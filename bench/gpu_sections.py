@@ -188,10 +188,10 @@ def checkpoint_section(ctx: Context) -> dict[str, Any]:
     model, opt, sched = _trainer(tiny(ctx, "1m", seed=4)[2], ctx)
     samples = fresh_groups(model, 6)
     policy_update(model, opt, samples, minibatches=2, lr_scheduler=sched)
-    root = ctx.workdir / "ckpt"
+    root = checkpoint.StorageRoot(ctx.workdir / "ckpt")
     saved = checkpoint.save(root, 1, "check", model, opt, sched, step=1)
     other, oopt, osched = _trainer(tiny(ctx, "1m", seed=4)[2], ctx)
-    step = checkpoint.load(saved, other, oopt, osched)
+    step = checkpoint.load_from(root, saved, other, oopt, osched)
     same_weights = bool(torch.equal(_flat(model), _flat(other)))
     for m, o, s in ((model, opt, sched), (other, oopt, osched)):
         policy_update(m, o, samples, minibatches=2, seed=1, lr_scheduler=s)

@@ -285,6 +285,15 @@ class DoraConfig:
     checkpoint_every: int = 10
     """Save a durable checkpoint every N versions (the last one is always saved)."""
 
+    ray_resources: dict[str, Any] = field(default_factory=dict)
+    """``dora-rl run --ray``: Ray resources per role, overriding :func:`dora_rl.ray_placement.role_resources`
+    (e.g. ``{"trainer": {"num_gpus": 8}, "rollout": {"resources": {"inference": 1}}}``)."""
+
+    checkpoint_url: str | None = None
+    """Shared storage for the trainer's resume checkpoints (any fsspec URL, e.g. ``s3://bucket/dora``; its
+    credentials and endpoint come from the trainer's environment): ``<url>/<run id>/trainer-state``, so a
+    trainer restarted on another host restores from it. None: ``<run dir>/trainer-state`` on the trainer's disk."""
+
     emulated: dict[str, Any] = field(default_factory=dict)
     """Parameters of the emulated engine (see ``dora_rl.producers.rollout.emulated``)."""
 

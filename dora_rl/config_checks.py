@@ -85,9 +85,23 @@ def field_problems(config: Any) -> list[str]:
                 problem = f"must be >= {AT_LEAST[f.name]:g}"
             elif f.name in ABOVE and value <= ABOVE[f.name]:
                 problem = f"must be > {ABOVE[f.name]:g}"
+        if problem is None and f.name.endswith("_url") and value is not None:
+            problem = url_problem(value)
         if problem is not None:
             out.append(f"{f.name} = {value!r}: {problem}")
     return out
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is no storage URL for a run (``scheme://bucket/path``, no credentials, no ``..``), or None."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme or not rest.strip("/"):
+        return "must be a URL such as s3://bucket/prefix (a local path needs no setting: the run directory is used)"
+    if "@" in rest.split("/", 1)[0]:
+        return "must not carry credentials: give them to the storage client's environment (e.g. AWS_ACCESS_KEY_ID)"
+    if ".." in rest.split("/"):
+        return "must not contain '..'"
+    return None
 
 
 def unknown_keys(cls: type, keys: typing.Iterable[str]) -> list[str]:

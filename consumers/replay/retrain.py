@@ -136,12 +136,12 @@ def edit_rewards(batch: TrainBatch, rewards: Mapping[str, float]) -> TrainBatch:
 def available_checkpoints(source: RecordSource, announced: Mapping[int, PolicyVersion]) -> dict[int, Path]:
     """Replay checkpoints of the run, plus trainer-state ones announcements name that still exist under the
     run's own directory (an announcement naming anywhere else is not followed)."""
-    run_dir = source.checkpoints_dir().parent
+    run_dir = checkpoint.StorageRoot(source.checkpoints_dir().parent)
     found: dict[int, Path] = {}
     for v, a in announced.items():
         try:
-            path = checkpoint.within(run_dir, a.checkpoint_uri) if a.checkpoint_uri else None
-        except ValueError:
+            path = Path(run_dir.within(a.checkpoint_uri)) if a.checkpoint_uri else None
+        except ValueError:  # elsewhere, shared storage included: replay reads the run's own folder only
             continue
         if path is not None and (path / checkpoint.COMPLETE).exists():
             found[v] = path

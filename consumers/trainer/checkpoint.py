@@ -14,67 +14,48 @@ loadable Hugging Face folder of the policy plus the same ``trainer.pt`` and ``CO
 :func:`load` restores from either kind and ``dora-rl replay retrain`` re-executes any step from the
 nearest one at or below it (docs/decisions/0020).
 
-Layout: ``<dir>/v<version:06d>-<incarnation>/`` holds ``model.safetensors`` (weights, tied tensors
-once), ``trainer.pt`` (optimizer and scheduler state dicts, step) and ``COMPLETE`` (written last).
-The incarnation (a fresh id per trainer process) keeps a zombie predecessor from ever overwriting a
-checkpoint its replacement announced. A checkpoint is written into a temporary sibling directory,
-every file fsync'd, then renamed into place and the parent directory fsync'd: a crash leaves either
-the whole checkpoint or none.
+Layout: ``<root>/v<version:06d>-<incarnation>/`` holds ``model.safetensors`` (weights, tied tensors
+once), ``trainer.pt`` (optimizer and scheduler state dicts, step) and ``COMPLETE`` (written last). The root
+is a :class:`~dora_rl.infra.storage.StorageRoot`: ``<run dir>/trainer-state`` by default, or
+``<checkpoint_url>/<run id>/trainer-state`` on shared storage (any fsspec URL), so a trainer restarted on
+another host restores from it. The incarnation (a fresh id per trainer process) keeps a zombie predecessor
+from ever overwriting a checkpoint its replacement announced; on local disk a checkpoint is renamed into
+place, on an object store its marker is written last: either way a crash leaves the whole checkpoint or
+one without its marker, which no reader takes.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 
+from dora_rl.infra.storage import COMPLETE, StorageRoot, commit_local, local_tmp
 from dora_rl.modeling import load_weights, state_dict_for_transfer
 
-COMPLETE = "COMPLETE"
+
+def entry_name(version: int, incarnation: str) -> str:
+    return f"v{version:06d}-{incarnation}"
 
 
-def checkpoint_dir(root: Path, version: int, incarnation: str) -> Path:
-    return root / f"v{version:06d}-{incarnation}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save(root: Path, version: int, incarnation: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: Any, step: int) -> Path:
-    """Write the checkpoint of ``version`` atomically; returns its directory (the announced URI)."""
-    final = checkpoint_dir(root, version, incarnation)
-    tmp = root / f".tmp-v{version:06d}-{incarnation}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {k: v.detach().contiguous() for k, v in state_dict_for_transfer(model, clone=False).items()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    _commit(tmp, final, version, optimizer, scheduler, step)
-    return final
-
-
-def _commit(tmp: Path, final: Path, version: int, optimizer: torch.optim.Optimizer, scheduler: Any,
-            step: int) -> None:
-    """Add the trainer state and the marker to ``tmp``, make it durable, rename it to ``final``."""
+def _trainer_state(optimizer: torch.optim.Optimizer, scheduler: Any, step: int, version: int) -> bytes:
+    buf = io.BytesIO()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": int(step),
-                "version": int(version)}, tmp / "trainer.pt")
-    (tmp / COMPLETE).write_text(str(version))
-    for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
-    if final.exists():  # a restarted trainer saving a version again: same step, same bytes
-        shutil.rmtree(final)
-    tmp.rename(final)
-    _fsync(final.parent)
+                "version": int(version)}, buf)
+    return buf.getvalue()
+
+
+def save(root: StorageRoot, version: int, incarnation: str, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer, scheduler: Any, step: int) -> str:
+    """Write the checkpoint of ``version`` whole; returns its URI (the one the announcement names)."""
+    weights = {k: v.detach().contiguous() for k, v in state_dict_for_transfer(model, clone=False).items()}
+    return root.write(entry_name(version, incarnation),
+                      {"model.safetensors": save_bytes(weights),
+                       "trainer.pt": _trainer_state(optimizer, scheduler, step, version)})
 
 
 def replay_dir(root: Path, version: int) -> Path:
@@ -87,52 +68,44 @@ def save_replayable(root: Path, version: int, model: torch.nn.Module, tokenizer:
     """Write the replay checkpoint of ``version`` atomically: a Hugging Face folder of the policy (its
     ``model.safetensors`` holds the same tensors as :func:`save`'s) plus the trainer state; returns it."""
     final = replay_dir(root, version)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = local_tmp(final)
     model.save_pretrained(tmp)  # type: ignore[operator]
     tokenizer.save_pretrained(tmp)
     if not (tmp / "model.safetensors").exists():
         raise RuntimeError(f"saving {final}: the policy was written in shards, not as one model.safetensors")
-    _commit(tmp, final, version, optimizer, scheduler, step)
+    (tmp / "trainer.pt").write_bytes(_trainer_state(optimizer, scheduler, step, version))
+    commit_local(tmp, final)
     return final
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
-    """Restore weights, optimizer and scheduler from checkpoint ``path``; returns its step."""
-    if not (path / COMPLETE).exists():
-        raise FileNotFoundError(f"checkpoint {path} is incomplete or missing (no {COMPLETE} marker)")
-    load_weights(model, load_file(str(path / "model.safetensors")))
-    state = torch.load(path / "trainer.pt", weights_only=True)  # tensors and plain values: never code
+    """Restore weights, optimizer and scheduler from the local checkpoint folder ``path``; returns its step."""
+    return load_from(StorageRoot(path.parent), str(path), model, optimizer, scheduler)
+
+
+def load_from(root: StorageRoot, uri: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              scheduler: Any) -> int:
+    """Restore weights, optimizer and scheduler from checkpoint ``uri`` under ``root``; returns its step.
+    ValueError when ``uri`` is outside ``root``; FileNotFoundError when it has no marker."""
+    load_weights_from(root, uri, model)
+    state = torch.load(io.BytesIO(root.read(uri, "trainer.pt")), weights_only=True)  # tensors, never code
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
 
 
-def within(root: Path, uri: str | Path) -> Path:
-    """``uri`` resolved, if it lies under ``root``; ValueError otherwise. A restore reads only under the run's
-    own checkpoint root, whatever location a record (an announcement, an archive) names."""
-    path, base = Path(uri).resolve(), root.resolve()
-    if not path.is_relative_to(base):
-        raise ValueError(f"checkpoint {uri} is outside this run's checkpoint root {base}: not read")
-    return path
+def load_weights_from(root: StorageRoot, uri: str, model: torch.nn.Module) -> None:
+    """Weights of checkpoint ``uri`` under ``root`` into ``model`` (to serve an older live version again)."""
+    load_weights(model, load_bytes(root.read(uri, "model.safetensors")))
 
 
-def load_weights_only(path: Path, model: torch.nn.Module) -> None:
-    """Weights of checkpoint ``path`` into ``model`` (to serve an older live version again)."""
-    if not (path / COMPLETE).exists():
-        raise FileNotFoundError(f"checkpoint {path} is incomplete or missing (no {COMPLETE} marker)")
-    load_weights(model, load_file(str(path / "model.safetensors")))
-
-
-def prune(root: Path, keep_from: int) -> None:
+def prune(root: StorageRoot, keep_from: int) -> None:
     """Delete checkpoints of versions below ``keep_from`` (no longer live, never needed again)."""
-    if not root.exists():
-        return
-    for d in root.iterdir():
-        head = d.name.split("-", 1)[0]
+    for name in root.names():
+        head = name.split("-", 1)[0]
         if head.startswith("v") and head[1:].isdigit() and int(head[1:]) < keep_from:
-            shutil.rmtree(d, ignore_errors=True)
+            root.delete(name)
 
 
 def complete_versions(root: Path) -> dict[int, Path]:

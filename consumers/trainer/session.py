@@ -26,6 +26,7 @@ from pathlib import Path
 from dora_rl.config import DoraConfig
 from dora_rl.core.training_input import trajectory_problem
 from dora_rl.infra.kafka.signing import signature_problem
+from dora_rl.infra.storage import StorageRoot
 from dora_rl.infra.weights.checksum import AUTHENTICATED
 from dora_rl.infra.weights.sync import Publisher
 from dora_rl.schemas.records import PolicyVersion, TrainBatch
@@ -77,7 +78,7 @@ class Trained:
 class TrainerSession:
     """One trainer incarnation's state: ``step`` is the next train step (= the newest version announced)."""
 
-    def __init__(self, config: DoraConfig, state: TrainerState, publisher: Publisher, checkpoints: Path,
+    def __init__(self, config: DoraConfig, state: TrainerState, publisher: Publisher, checkpoints: StorageRoot,
                  incarnation: str, vocab: int | None = None, token: str = "") -> None:
         self.config, self.state, self.publisher = config, state, publisher
         self.checkpoints, self.incarnation, self.vocab = checkpoints, incarnation, vocab
@@ -89,10 +90,9 @@ class TrainerSession:
         from dora_rl.modeling import state_dict_for_transfer
 
         st = self.state
-        path = checkpoint.save(self.checkpoints, version, self.incarnation, st.model, st.optimizer, st.lr_schedule,
-                               version)
-        ann = self.publisher.publish(version, version, state_dict_for_transfer(st.model), stats,
-                                     checkpoint_uri=str(path))
+        uri = checkpoint.save(self.checkpoints, version, self.incarnation, st.model, st.optimizer, st.lr_schedule,
+                              version)
+        ann = self.publisher.publish(version, version, state_dict_for_transfer(st.model), stats, checkpoint_uri=uri)
         checkpoint.prune(self.checkpoints, version - self.config.max_staleness - 1)
         return ann
 
@@ -109,14 +109,14 @@ class TrainerSession:
             uri = announced[v].checkpoint_uri
             if uri is None:
                 raise RuntimeError(f"version {v} was announced without a checkpoint: cannot restart this run")
-            checkpoint.load_weights_only(checkpoint.within(self.checkpoints, uri), st.model)
+            checkpoint.load_weights_from(self.checkpoints, uri, st.model)
             ann = self.publisher.publish(v, v, state_dict_for_transfer(st.model), checkpoint_uri=uri,
                                          announced_by=PolicyVersion.HOLDER)
             if [b.checksum for b in ann.buckets] != [b.checksum for b in announced[v].buckets]:
                 raise RuntimeError(f"checkpoint {uri} does not hold the weights announced as version {v}")
             again.append(ann)
-        newest = checkpoint.within(self.checkpoints, str(announced[latest].checkpoint_uri))
-        step = checkpoint.load(newest, st.model, st.optimizer, st.lr_schedule)
+        newest = str(announced[latest].checkpoint_uri)
+        step = checkpoint.load_from(self.checkpoints, newest, st.model, st.optimizer, st.lr_schedule)
         if step != latest:
             raise RuntimeError(f"checkpoint of version {latest} says step {step}")
         self.step = step
@@ -145,7 +145,7 @@ class TrainerSession:
 
 def start_session(config: DoraConfig, run_id: str, run_dir: Path, token: str, incarnation: str) -> TrainerSession:
     """A fresh incarnation's session: seeded, the initial policy built, its checkpoints under
-    ``<run_dir>/trainer-state`` and its versions served from ``run_dir`` (rank 0's plain CPU copy when
+    :func:`checkpoint_root` and its versions served from ``run_dir`` (rank 0's plain CPU copy when
     ``config.trainer_ranks > 1``)."""
     import random
 
@@ -162,6 +162,13 @@ def start_session(config: DoraConfig, run_id: str, run_dir: Path, token: str, in
     if config.vocab_size and vocab != config.vocab_size:
         raise ValueError(f"the run records vocab_size {config.vocab_size}, but model {config.model} has {vocab}: "
                          "the assembler would check token ids against the wrong vocabulary")
-    checkpoints = run_dir / "trainer-state"
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    return TrainerSession(config, state, publisher, checkpoints, incarnation, vocab=vocab, token=token)
+    return TrainerSession(config, state, publisher, checkpoint_root(config, run_id, run_dir), incarnation, vocab=vocab,
+                          token=token)
+
+
+def checkpoint_root(config: DoraConfig, run_id: str, run_dir: Path) -> StorageRoot:
+    """``<checkpoint_url>/<run id>/trainer-state`` when the run names shared storage, else
+    ``<run dir>/trainer-state``: the only place this run's trainer reads a checkpoint from."""
+    if config.checkpoint_url:
+        return StorageRoot(f"{config.checkpoint_url.rstrip('/')}/{run_id}/trainer-state")
+    return StorageRoot(run_dir / "trainer-state")
