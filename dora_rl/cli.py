@@ -3,6 +3,8 @@
     dora-rl run [--steps N] [--mode M] [--config F] [--json OUT]   the whole loop (embedded broker by default)
     dora-rl create [--config F] [--run-id ID]                       record a run; roles join it from any host
     dora-rl resume RUN_ID [--steps N]                               continue a run whose launcher died
+    dora-rl run|resume --ray ADDRESS ...                            the roles placed by a Ray cluster
+    dora-rl scale RUN_ID --instances N --ray ADDRESS                a Ray-placed run: add or remove instances
     dora-rl broker start|stop|status [--cluster]                   the embedded Kafka broker
     dora-rl topics create|list|doc [--check]                        the topic catalogue (doc: generated docs)
     dora-rl trainer|rollout|scorer|assembler|orchestrator|dataset   one role of a run (--run-id, --index [auto],
@@ -54,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = _run_config(args)
     summary = run(config, resolve_bootstrap(args.bootstrap_servers), Path(args.json) if args.json else None,
-                  quiet=args.quiet)
+                  quiet=args.quiet, ray_address=args.ray)
     _print_summary(summary)
     return 0
 
@@ -66,11 +68,18 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     try:
         summary = resume(args.run_id, resolve_bootstrap(args.bootstrap_servers), steps=args.steps,
-                         json_path=Path(args.json) if args.json else None, quiet=args.quiet)
+                         json_path=Path(args.json) if args.json else None, quiet=args.quiet, ray_address=args.ray)
     except RetentionGap as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     _print_summary(summary)
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from dora_rl.ray_placement import scale
+
+    print(f"run {args.run_id}: {scale(args.ray, args.run_id, args.instances)} rollout instances desired")
     return 0
 
 
@@ -276,18 +285,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Kafka bootstrap servers (env DORA_BOOTSTRAP_SERVERS)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", parents=[common], help="run the whole RL loop")
+    ray = argparse.ArgumentParser(add_help=False)
+    ray.add_argument("--ray", default=None, metavar="ADDRESS",
+                     help="place the roles on this Ray cluster (its head's host:port, or 'auto')")
+    p = sub.add_parser("run", parents=[common, ray], help="run the whole RL loop")
     _run_config_args(p)
     p.add_argument("--json", default=None, help="write the machine-readable summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("scale", help="a run placed by Ray: change its number of rollout instances")
+    p.add_argument("run_id")
+    p.add_argument("--instances", type=int, required=True)
+    p.add_argument("--ray", required=True, metavar="ADDRESS", help="the Ray cluster (head host:port, or 'auto')")
+    p.set_defaults(func=cmd_scale)
 
     p = sub.add_parser("create", parents=[common], help="record a run without starting roles (multi-host)")
     _run_config_args(p)
     p.add_argument("--run-id", default=None, help="the run's id (default: a new one)")
     p.set_defaults(func=cmd_create)
 
-    p = sub.add_parser("resume", parents=[common], help="continue a run whose launcher died (roles restore from Kafka)")
+    p = sub.add_parser("resume", parents=[common, ray],
+                       help="continue a run whose launcher died (roles restore from Kafka)")
     p.add_argument("run_id")
     p.add_argument("--steps", type=int, default=None, help="continue to this many steps (default: the run's)")
     p.add_argument("--json", default=None, help="write the machine-readable summary here")

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from confluent_kafka.admin import AdminClient
 from tqdm import tqdm
@@ -56,6 +56,9 @@ from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
 from .roles import SCORER_KEY_FILE, TRAINER_KEY_FILE, WEIGHT_TOKEN_FILE, prompts_needed, run_dir
 from .supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from .ray_placement import RayRoles
 
 log = logging.getLogger(__name__)
 
@@ -179,27 +182,17 @@ def role_name(role: str, index: int = 0) -> str:
     return role if role not in ("rollout", "scorer") else f"{role}-{index}"
 
 
-def stop_all(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    """SIGTERM every child, then SIGKILL what is still alive after ``timeout``."""
-    for p in procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs.values():
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def run(config: DoraConfig, bootstrap: str | None = None, json_path: Path | None = None,
-        run_id: str | None = None, quiet: bool = False, stall_timeout_s: float = 600.0) -> dict[str, Any]:
-    """Record a new run and run it to the end; returns (and optionally writes) the summary."""
+        run_id: str | None = None, quiet: bool = False, stall_timeout_s: float = 600.0,
+        ray_address: str | None = None) -> dict[str, Any]:
+    """Record a new run and run it to the end; returns (and optionally writes) the summary. With
+    ``ray_address`` the roles are placed on that Ray cluster (:mod:`dora_rl.ray_placement`)."""
     t_start = time.monotonic()
+    if ray_address is not None and bootstrap is None:
+        raise ValueError("--ray needs --bootstrap-servers: a broker every Ray node reaches (not an embedded one)")
     bootstrap = ensure_broker(bootstrap)
     info, _ = create(config, bootstrap, run_id)
-    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s, ray_address)
 
 
 def create(config: DoraConfig, bootstrap: str, run_id: str | None = None) -> tuple[RunInfo, Path]:
@@ -271,7 +264,7 @@ def _secret_file(path: Path, value: str | None) -> Path:
 
 
 def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, json_path: Path | None = None,
-           quiet: bool = False, stall_timeout_s: float = 600.0) -> dict[str, Any]:
+           quiet: bool = False, stall_timeout_s: float = 600.0, ray_address: str | None = None) -> dict[str, Any]:
     """Continue run ``run_id`` (its launcher died, or the machine rebooted) to ``steps`` steps.
 
     Orphan roles of the dead launcher (their process ids are in the run directory) are killed first;
@@ -289,7 +282,7 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
     if steps is not None and steps != config.steps:
         config = dataclasses.replace(config, steps=steps).validate()
         info = publish(bootstrap, info.replace(config_json=config.to_json(), state="STARTED"), _token_of(run_id))
-    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s)
+    return supervise(bootstrap, info, config, t_start, json_path, quiet, stall_timeout_s, ray_address)
 
 
 def _token_of(run_id: str) -> str:
@@ -357,9 +350,26 @@ def run_notes(config: DoraConfig) -> list[str]:
     return notes
 
 
+def role_group(bootstrap: str, info: RunInfo, config: DoraConfig, env: dict[str, str], rdir: Path,
+               ray_address: str | None) -> Supervisor | RayRoles:
+    """The roles' supervisor: local child processes, or Ray actors on the cluster at ``ray_address`` (which get
+    only the ``DORA_*`` variables, each naming a file or a setting, never a secret)."""
+    logs = rdir / "logs"
+    if ray_address is None:
+        return Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, role_env(role, env, rdir),
+                                                    index))
+    from .ray_placement import RayRoles
+
+    def env_of(role: str) -> dict[str, str]:
+        full = role_env(role, env, rdir)
+        return {k: v for k, v in full.items() if k.startswith("DORA_")} | {"PYTHONUNBUFFERED": "1"}
+
+    return RayRoles(ray_address, info.run_id, bootstrap, config, env_of)
+
+
 def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float, json_path: Path | None,
-              quiet: bool, stall_timeout_s: float) -> dict[str, Any]:
-    """Launch every role of ``info`` as a supervised process and follow the run to its end."""
+              quiet: bool, stall_timeout_s: float, ray_address: str | None = None) -> dict[str, Any]:
+    """Launch every role of ``info`` (supervised processes, or Ray actors) and follow the run to its end."""
     rdir = run_dir(info.run_id)
     logs = rdir / "logs"
     logs.mkdir(exist_ok=True)
@@ -372,7 +382,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
           file=sys.stderr)
     for note in run_notes(config):
         print(f"note: {note}", file=sys.stderr)
-    sup = Supervisor(lambda role, index: spawn(role, bootstrap, info.run_id, logs, role_env(role, env, rdir), index))
+    sup = role_group(bootstrap, info, config, env, rdir, ray_address)
     for role in ("dataset", "trainer", "scorer", "assembler", "orchestrator"):
         if role == "scorer" and config.reward_service == "external":  # an outside service scores (0022)
             continue
@@ -381,7 +391,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
         sup.start(role_name("rollout", i), "rollout", i)
 
     def record_pids() -> None:
-        (rdir / "pids.json").write_text(json.dumps({n: p.pid for n, p in sup.processes().items()}))
+        (rdir / sup.placement_file).write_text(json.dumps(sup.placement()))
 
     record_pids()
 
@@ -422,12 +432,12 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
                 served, progress.versions_since_shown = sorted(progress.versions_since_shown), set()
                 bar.set_postfix(reward=f"{progress.rewards[last]:.3f}",
                                 tok_s=f"{sum(progress.tokens.values()) / elapsed:.0f}", versions=str(served))
-            pids = [p.pid for p in sup.processes().values()]
+            where = sup.placement()
             failed = sup.check()
             if failed:
                 failed = f"{failed}; see {logs}"
                 break
-            if [p.pid for p in sup.processes().values()] != pids:
+            if sup.placement() != where:
                 record_pids()
             if sup.finished("trainer") and not progress.done:
                 trainer_exit = trainer_exit or time.monotonic()
@@ -439,7 +449,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     finally:
         # the roles first: closing the bar writes to an output that may be gone (Ctrl-C on `| tee`, an ssh
         # drop), and a BrokenPipeError there must not skip the stop (it orphaned every role)
-        stop_all(sup.processes())
+        sup.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for close in (bar.close, tb.close, watcher.close):

@@ -11,12 +11,16 @@ Rule (pure: :class:`RestartPolicy`, tested without processes):
   fails, naming it.
 
 Roles restart from the log (their state is on Kafka, docs/decisions/0015), so restarting is safe.
-:class:`Supervisor` applies the rule to child processes and counts restarts per role for the summary.
+:class:`Supervisor` applies the rule to child processes and counts restarts per role for the summary. Its
+interface (``start``, ``check``, ``finished``, ``restarts``, ``placement``, ``stop``) is the one
+``launcher.supervise`` follows a run through; :class:`dora_rl.ray_placement.RayRoles` offers it for roles
+placed by Ray, whose own fault tolerance restarts them.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -69,8 +73,28 @@ class Supervisor:
     def start(self, name: str, role: str, index: int = 0) -> None:
         self.children[name] = _Child(name, role, index, self.spawn(role, index))
 
+    placement_file = "pids.json"
+
     def processes(self) -> dict[str, subprocess.Popen[bytes]]:
         return {n: c.proc for n, c in self.children.items()}
+
+    def placement(self) -> dict[str, int]:
+        """Each role's process id (``pids.json``: what ``dora-rl resume`` kills as orphans)."""
+        return {n: c.proc.pid for n, c in self.children.items()}
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM every child, then SIGKILL what is still alive after ``timeout``."""
+        procs = self.processes().values()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
     def finished(self, name: str) -> bool:
         return self.children[name].finished

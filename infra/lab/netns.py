@@ -314,6 +314,22 @@ class NetLab:
         """Start ``argv`` inside ``name``'s namespace (``ip netns exec`` execs it: same PID)."""
         return subprocess.Popen([*self.prefix(name), *argv], **popen_kwargs)
 
+    def lose(self, name: str) -> None:
+        """``name`` vanishes like a lost host: every process in its namespace SIGKILLed, the namespace deleted
+        (its address answers nothing from then on)."""
+        host = self._host(name)
+        _kill_netns(host.netns)
+        _ip("link", "del", host.veth, check=False)
+        del self.hosts[name]
+
+    def cut(self, name: str) -> None:
+        """Partition ``name``: its link to the bridge goes down; its processes live on, reaching no one."""
+        _ip("link", "set", self._host(name).veth, "down")
+
+    def heal(self, name: str) -> None:
+        """End the partition of ``name`` (:meth:`cut`)."""
+        _ip("link", "set", self._host(name).veth, "up")
+
     def run(self, name: str, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` to completion inside ``name``'s namespace (``subprocess.run`` keywords)."""
         return subprocess.run([*self.prefix(name), *argv], **kw)

@@ -81,24 +81,26 @@ def metric_total(bootstrap: str, run_id: str, component: str, name: str) -> floa
 
 
 def launch_run(bootstrap: str, dora_home: Path, tmp_path: Path, config: dict[str, Any],
-               json_out: Path | None = None, output: int | None = subprocess.PIPE
-               ) -> tuple[subprocess.Popen[bytes], Path]:
-    """``dora-rl run`` of ``config`` as a child process (stdout+stderr to ``output``); returns it and the
-    new run's directory once every role is up (its ``pids.json`` exists). The caller kills it on failure."""
+               json_out: Path | None = None, output: int | None = subprocess.PIPE, extra: tuple[str, ...] = (),
+               marker: str = "pids.json") -> tuple[subprocess.Popen[bytes], Path]:
+    """``dora-rl run`` of ``config`` (plus ``extra`` arguments) as a child process (stdout+stderr to ``output``);
+    returns it and the new run's directory once every role is up (its ``marker`` file exists: ``pids.json``,
+    or ``placement.json`` for a run placed by Ray). The caller kills it on failure."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config))
     runs = dora_home / "runs"
     known = {d.name for d in runs.iterdir()} if runs.exists() else set()  # the session's earlier runs
-    args = [sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config", str(cfg), "--quiet"]
+    args = [sys.executable, "-m", "dora_rl", "run", "--bootstrap-servers", bootstrap, "--config", str(cfg), "--quiet",
+            *extra]
     launcher = subprocess.Popen(args + (["--json", str(json_out)] if json_out else []), stdout=output,
                                 stderr=subprocess.STDOUT if output == subprocess.PIPE else output, env=dict(os.environ))
     try:
-        wait_for(lambda: runs.exists() and any((d / "pids.json").exists() for d in runs.iterdir()
+        wait_for(lambda: runs.exists() and any((d / marker).exists() for d in runs.iterdir()
                                                if d.name not in known), 120, "the roles")
     except BaseException:
         launcher.kill()
         raise
-    return launcher, next(d for d in runs.iterdir() if d.name not in known and (d / "pids.json").exists())
+    return launcher, next(d for d in runs.iterdir() if d.name not in known and (d / marker).exists())
 
 
 OPEN_AND_STOP = """

@@ -1,0 +1,193 @@
+"""A run placed by Ray across network namespaces loses hosts and is partitioned, and goes on (issue 33).
+
+Hosts (``infra/lab/netns.py``): ``kafka`` (the broker and an S3 server, S3Proxy), ``head`` (the Ray head, the
+stream roles and the driver, ``dora-rl run --ray``), Ray workers ``w1`` .. ``w3`` at the start and ``w4``
+joining later. Custom resources stand in for GPUs: a trainer may run on ``w1``, ``w2`` or ``w4``, rollout
+instances on ``w2``, ``w3`` or ``w4``. The trainer's checkpoints are on the S3 server.
+
+0. A role's process is killed -9 (the orchestrator): Ray starts its actor, hence the role, again.
+1. The trainer's host vanishes (every process SIGKILLed, the namespace deleted): Ray starts the trainer on
+   another worker, where it restores from the object store.
+2. A rollout host vanishes and a new worker joins: Ray places the lost instances again; the orchestrator
+   re-dispatches their work. ``dora-rl scale`` then adds a fourth instance and removes it.
+3. The trainer's host is partitioned (its link down, its processes alive) for longer than a restart takes:
+   Ray declares the node dead and starts the trainer elsewhere; when the link returns, the cut-off trainer
+   is fenced (its node was declared dead, so Ray ends it; its transactions could not commit either).
+
+The run reaches its steps, the strict audit passes, every version has one checksum, and every checkpoint the
+trainer announced is on the object store, none on a trainer's disk (decisions 0069, 0070).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray_cluster
+from run_helpers import emulated_run, metric_total, steps_done, trajectories_by_instance, wait_for
+from s3proxy import S3Proxy, ensure_s3proxy
+
+pytestmark = pytest.mark.broker
+HOSTS = ("kafka", "head", "w1", "w2", "w3", "w4")
+BROKER_PORT, S3_PORT, RAY_PORT = 19092, 19000, 6379
+BUCKET = "dora-ckpt"
+WORKERS = {"w1": {"dora_trainer": 1}, "w2": {"dora_trainer": 1, "dora_rollout": 2}, "w3": {"dora_rollout": 2},
+           "w4": {"dora_trainer": 1, "dora_rollout": 4}}  # room for every instance once w2 and w3 are gone
+PINNED = {role: {"num_cpus": 0, "resources": {res: 1}} for role, res in
+          (("trainer", "dora_trainer"), ("rollout", "dora_rollout"), ("dataset", "dora_stream"),
+           ("orchestrator", "dora_stream"), ("scorer", "dora_stream"), ("assembler", "dora_stream"))}
+CONFIG = emulated_run(steps=24, seed=41, num_instances=3, max_instances=4, instance_timeout_s=6.0,
+                      checkpoint_url=f"s3://{BUCKET}/runs", ray_resources=PINNED)
+
+
+@pytest.fixture
+def lab() -> Iterator[Any]:
+    from dora_rl.infra.lab.netns import NetLab, netns_available
+
+    why = netns_available()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"network namespaces unavailable in CI: {why}")
+        pytest.skip(f"network namespaces unavailable: {why}")
+    with NetLab(HOSTS) as built:
+        yield built
+
+
+def _host_of(lab: Any, rdir: Path, role: str) -> str:
+    node = _placement(rdir).get(role, {}).get("node")
+    return next((h for h in lab.hosts if lab.ip(h) == node), "")
+
+
+def _scale(lab: Any, address: str, run_id: str, n: int) -> None:
+    out = lab.run("head", [sys.executable, "-m", "dora_rl", "scale", run_id, "--instances", str(n), "--ray", address],
+                  capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_home: Path, tmp_path: Path) -> None:
+    from dora_rl.consumers.audit import audit_run
+    from dora_rl.infra.broker.server import LocalBroker
+
+    broker = LocalBroker(tmp_path / "kafka", port=BROKER_PORT, host=lab.ip("kafka"), launch_prefix=lab.prefix("kafka"))
+    broker.start()
+    s3 = S3Proxy(ensure_s3proxy(Path(os.environ["DORA_HOME"]) / "s3proxy"), tmp_path / "s3", S3_PORT,
+                 tmp_path / "s3proxy.log", buckets=(BUCKET,), host=lab.ip("kafka"), prefix=tuple(lab.prefix("kafka")))
+    driver = None
+    try:
+        s3.wait_ready()
+        bootstrap = broker.bootstrap_servers
+        env = {**s3.client_env(), "DORA_HOME": str(dora_home), "PYTHONUNBUFFERED": "1"}
+        address = ray_cluster.start_head(lab.ip("head"), RAY_PORT, 4, {"dora_stream": 8}, prefix=lab.prefix("head"),
+                                         env=env)
+        for w in ("w1", "w2", "w3"):
+            ray_cluster.start_worker(address, lab.ip(w), 4, WORKERS[w], prefix=lab.prefix(w), env=env)
+        ray_cluster.alive_nodes(address, 4)
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps(CONFIG))
+        out = tmp_path / "summary.json"
+        driver = lab.popen("head", [sys.executable, "-m", "dora_rl", "run", "--ray", address, "--bootstrap-servers",
+                                    bootstrap, "--config", str(cfg), "--json", str(out), "--quiet"],
+                           env={**os.environ, **env}, stdout=(tmp_path / "driver.log").open("wb"),
+                           stderr=subprocess.STDOUT)
+        runs = dora_home / "runs"
+        wait_for(lambda: runs.is_dir() and any((d / "placement.json").exists() for d in runs.iterdir()), 120,
+                 f"the driver: {(tmp_path / 'driver.log').read_text()[-2000:]}")
+        rdir = next(d for d in runs.iterdir() if (d / "placement.json").exists())
+        run_id = rdir.name
+
+        # 0. a role's process killed -9: Ray starts its actor again
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 1 and "orchestrator" in _placement(rdir), 240, "step 1")
+        killed = _placement(rdir)["orchestrator"]["pid"]
+        os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: _placement(rdir)["orchestrator"]["pid"] != killed, 120, "Ray to restart the orchestrator")
+
+        # 1. the trainer's host vanishes
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 3 and _host_of(lab, rdir, "trainer"), 240, "step 3")
+        lost = _host_of(lab, rdir, "trainer")
+        lab.lose(lost)
+        wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", lost), 120, "the trainer on another worker")
+        t_moved = time.monotonic()
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 6, 240, "step 6 after the trainer moved")
+        print(f"trainer lost on {lost}, back and 3 steps on in {time.monotonic() - t_moved:.0f}s")
+
+        # 2. a rollout host vanishes, a new worker joins, an instance is added and removed
+        lab.lose("w3")
+        ray_cluster.start_worker(address, lab.ip("w4"), 4, WORKERS["w4"], prefix=lab.prefix("w4"), env=env)
+        _scale(lab, address, run_id, 4)
+        wait_for(lambda: trajectories_by_instance(bootstrap, run_id).get("rollout-3", 0) > 0, 240,
+                 "the fourth instance's first trajectory")
+        _scale(lab, address, run_id, 3)
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 11, 240, "step 11")
+
+        # 3. the trainer's host is cut off, long enough for Ray to start it elsewhere, then heals
+        cut, cut_off = _host_of(lab, rdir, "trainer"), _placement(rdir)["trainer"]["pid"]
+        lab.cut(cut)
+        wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", cut), 120, "the trainer started elsewhere")
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 13, 240, "step 13 while the old trainer is cut off")
+        assert _alive(cut_off), "the cut-off trainer should live on through the partition"
+        lab.heal(cut)
+        t_heal = time.monotonic()
+        wait_for(lambda: not _alive(cut_off), 120, "the cut-off trainer to end once its link is back")
+        print(f"the cut-off trainer ended {time.monotonic() - t_heal:.0f}s after its link came back")
+        assert driver.wait(timeout=420) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+        summary = json.loads(out.read_text())
+        assert summary["steps"] == CONFIG["steps"] and summary["restarts"].get("trainer", 0) >= 2, summary["restarts"]
+        assert summary["restarts"].get("orchestrator", 0) >= 1, summary["restarts"]
+        _assert_checkpoints_only_on_the_object_store(s3, rdir, run_id)
+        assert metric_total(bootstrap, run_id, "orchestrator", "redispatched") > 0, "lost work was not re-dispatched"
+        assert "restored at version" in (rdir / "logs" / "trainer.log").read_text()
+        report = audit_run(bootstrap, run_id)
+        assert report.verdict == "PASS" and report.v_checksum_conflicts == 0, report.render()
+        _assert_one_checksum_per_version(bootstrap, run_id)
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+        ray_cluster.stop()  # every Ray process on this machine, whichever namespace it is in
+        s3.stop()
+        broker.stop()
+
+
+def _placement(rdir: Path) -> dict[str, Any]:
+    return json.loads((rdir / "placement.json").read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_checkpoints_only_on_the_object_store(s3: S3Proxy, rdir: Path, run_id: str) -> None:
+    """Every announced checkpoint is on the S3 server under the run's prefix, none on a trainer's disk; what is
+    left is the live versions (older ones pruned), each with its marker."""
+    assert not (rdir / "trainer-state").exists(), "a checkpoint went to a trainer's disk"
+    stored = s3.data / BUCKET / "runs" / run_id / "trainer-state"
+    entries = sorted(p.name for p in stored.iterdir())
+    assert {int(e[1:7]) for e in entries} >= {CONFIG["steps"]}, entries
+    assert min(int(e[1:7]) for e in entries) >= CONFIG["steps"] - CONFIG["max_staleness"] - 1, entries
+    assert all((stored / e / "COMPLETE").is_file() for e in entries), entries
+
+
+def _assert_one_checksum_per_version(bootstrap: str, run_id: str) -> None:
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import get_run, read_run
+    from dora_rl.schemas.records import PolicyVersion
+
+    sums: dict[int, set[tuple[int, ...]]] = {}
+    for topic in (topics.VERSIONS, topics.HOLDERS):
+        for msg in read_run(bootstrap, get_run(bootstrap, run_id), topic):
+            ann = PolicyVersion.decode(msg.value(), msg.headers())
+            if ann.announced_by == PolicyVersion.TRAINER:
+                assert str(ann.checkpoint_uri).startswith(f"s3://{BUCKET}/runs/{run_id}/trainer-state/"), ann
+            sums.setdefault(int(ann.version), set()).add(tuple(b.checksum for b in ann.buckets))
+    assert sorted(sums) == list(range(CONFIG["steps"] + 1)), sorted(sums)
+    assert all(len(s) == 1 for s in sums.values()), {v: len(s) for v, s in sums.items() if len(s) > 1}
