@@ -273,6 +273,10 @@ def resume(run_id: str, bootstrap: str | None = None, steps: int | None = None, 
     t_start = time.monotonic()
     bootstrap = ensure_broker(bootstrap)
     info = get_run(bootstrap, run_id, _token_of(run_id))
+    placed = run_dir(info.run_id) / "placement.json"
+    if ray_address is None and placed.exists():  # its roles may still run as Ray actors: no second set here
+        raise ValueError(f"run {run_id} was placed by Ray: resume it with --ray ADDRESS (its actors are adopted), "
+                         f"or, once its Ray cluster is gone, delete {placed} and resume it here")
     kill_orphans(run_dir(info.run_id))  # first: they would go on changing the offsets checked below
     gaps = retention_gaps(bootstrap, info)
     if gaps:

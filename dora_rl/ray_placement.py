@@ -79,8 +79,10 @@ class RoleActor:
     def __init__(self, role: str, index: int, run_id: str, bootstrap: str, env: dict[str, str]) -> None:
         import ray
 
+        from dora_rl.infra.broker.dist import dora_home
+
         self.node = ray.util.get_node_ip_address()
-        home = Path(env.get("DORA_HOME") or os.environ.get("DORA_HOME") or Path.home() / ".dora")
+        home = Path(env["DORA_HOME"]) if env.get("DORA_HOME") else dora_home()  # the driver's, else this node's
         logs = home / "runs" / run_id / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         name = role if role not in ("rollout", "scorer") else f"{role}-{index}"
@@ -197,10 +199,12 @@ class RayRoles:
         if self.failed:
             return self.failed
         self._scale_to(self._desired())
-        pending = {n: a.status.remote() for n, a in self.actors.items() if n not in self.done}
-        for name, ref in pending.items():
+        asked = {a.status.remote(): n for n, a in self.actors.items() if n not in self.done}
+        answered, _ = self.ray.wait(list(asked), num_returns=len(asked), timeout=5)  # the rest: restarting
+        for ref in answered:
+            name = asked[ref]
             try:
-                st = self.ray.get(ref, timeout=5)
+                st = self.ray.get(ref)
             except RayError as exc:  # restarting, its node being replaced, or dead for good
                 if not self._registered(name):
                     self.failed = f"role {name}: Ray gave up on it after {MAX_RESTARTS} restarts ({exc})"
