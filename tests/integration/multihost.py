@@ -135,3 +135,18 @@ def stop(procs: dict[str, subprocess.Popen[bytes]], timeout: float = 20.0) -> No
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def netlab(hosts: Sequence[str]) -> Any:
+    """A :class:`~dora_rl.infra.lab.netns.NetLab` of ``hosts`` (a context manager); without network namespaces
+    the test fails under ``CI=true`` and skips elsewhere, with the reason."""
+    import pytest
+
+    from dora_rl.infra.lab.netns import NetLab, netns_available
+
+    why = netns_available()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"network namespaces unavailable in CI: {why}")
+        pytest.skip(f"network namespaces unavailable: {why}")
+    return NetLab(hosts)

@@ -12,55 +12,40 @@ checksums only where the operation requires them (real S3, MinIO and Ceph accept
 
 from __future__ import annotations
 
-import fcntl
-import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from java_service import JavaService, fetch_once
+
 VERSION = "2.6.0"
 ARTIFACT = f"org.gaul:s3proxy:{VERSION}:jar:jar-with-dependencies"
-PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
 KEY, SECRET = "dora-test", "dora-test-secret"
 
 
 def ensure_s3proxy(cache: Path) -> Path:
     """The S3Proxy jar ``VERSION`` under ``cache`` (fetched on first use)."""
     jar = cache / VERSION / f"s3proxy-{VERSION}-jar-with-dependencies.jar"
-    if jar.is_file():
-        return jar
-    cache.mkdir(parents=True, exist_ok=True)
-    with (cache / f".{VERSION}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if jar.is_file():
-            return jar
-        download = cache / "download"
-        shutil.rmtree(download, ignore_errors=True)
-        mvn = shutil.which("mvn")
-        assert mvn, "mvn is needed once to fetch S3Proxy from Maven Central"
-        cmd = [mvn, "-B", "-q", "-Dstyle.color=never", f"{PLUGIN}:copy", f"-Dartifact={ARTIFACT}",
-               f"-DoutputDirectory={download}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-        jars = list(download.glob("*.jar"))
-        assert proc.returncode == 0 and jars, f"$ {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+
+    def place(download: Path) -> None:
         jar.parent.mkdir(parents=True, exist_ok=True)
-        jars[0].rename(jar.with_suffix(".part"))
+        next(download.glob("*.jar")).rename(jar.with_suffix(".part"))
         jar.with_suffix(".part").rename(jar)  # whole or absent: a killed fetch leaves no half jar
-        shutil.rmtree(download, ignore_errors=True)
+
+    fetch_once(ARTIFACT, cache, jar, place)
     return jar
 
 
-class S3Proxy:
+class S3Proxy(JavaService):
     """One S3Proxy process on ``host:port`` storing its buckets under ``data`` (created as folders)."""
 
     def __init__(self, jar: Path, data: Path, port: int, log: Path, buckets: tuple[str, ...] = (),
                  host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
         from dora_rl.infra.broker.dist import find_java
 
-        self.endpoint = f"http://{host}:{port}"
-        self.data, self._log = data, log
+        self.name, self.endpoint = "S3Proxy", f"http://{host}:{port}"
+        self.data, self.log = data, log
         for bucket in buckets:
             (data / bucket).mkdir(parents=True, exist_ok=True)
         props = log.with_suffix(".properties")
@@ -77,25 +62,9 @@ class S3Proxy:
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_REQUEST_CHECKSUM_CALCULATION": "WHEN_REQUIRED",
                 "AWS_RESPONSE_CHECKSUM_VALIDATION": "WHEN_REQUIRED"}
 
-    def wait_ready(self, timeout: float = 60.0) -> float:
-        """Seconds until the server answers HTTP (AssertionError with its log if it exits or times out)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            assert self.proc.poll() is None, f"S3Proxy exited: {self._log.read_text()[-3000:]}"
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=2)
-                return time.monotonic() - t0
-            except urllib.error.HTTPError:  # 403 to an unsigned request: it is up
-                return time.monotonic() - t0
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError(f"S3Proxy not ready in {timeout}s: {self._log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def answers(self) -> bool:
+        try:
+            urllib.request.urlopen(self.endpoint, timeout=2)
+        except urllib.error.HTTPError:  # 403 to an unsigned request: it is up
+            pass
+        return True

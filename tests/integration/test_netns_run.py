@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 from hostile import Attack
-from multihost import STREAM_ROLES, claimed_indices, create_run, role_argv, run_state, stop
+from multihost import STREAM_ROLES, claimed_indices, create_run, netlab, role_argv, run_state, stop
 from run_helpers import wait_for
 
 pytestmark = pytest.mark.broker
@@ -52,14 +52,7 @@ CONFIG: dict[str, Any] = {"mode": "dora", "max_staleness": 1, "steps": 4, "train
 
 @pytest.fixture
 def lab() -> Iterator[Any]:
-    from dora_rl.infra.lab.netns import NetLab, netns_available
-
-    why = netns_available()
-    if why:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"network namespaces unavailable in CI: {why}")
-        pytest.skip(f"network namespaces unavailable: {why}")
-    with NetLab(HOSTS) as built:
+    with netlab(HOSTS) as built:
         yield built
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import ray_cluster
+from multihost import netlab
 from run_helpers import emulated_run, metric_total, steps_done, trajectories_by_instance, wait_for
 from s3proxy import S3Proxy, ensure_s3proxy
 
@@ -50,14 +51,7 @@ CONFIG = emulated_run(steps=24, seed=41, num_instances=3, max_instances=4, insta
 
 @pytest.fixture
 def lab() -> Iterator[Any]:
-    from dora_rl.infra.lab.netns import NetLab, netns_available
-
-    why = netns_available()
-    if why:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"network namespaces unavailable in CI: {why}")
-        pytest.skip(f"network namespaces unavailable: {why}")
-    with NetLab(HOSTS) as built:
+    with netlab(HOSTS) as built:
         yield built
 
 
