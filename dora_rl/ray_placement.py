@@ -76,7 +76,7 @@ process has threads, and running Python between fork and exec is unsafe there.""
 class RoleActor:
     """One role of a run on a Ray node (see the module docstring); wrapped by ``ray.remote`` at use."""
 
-    def __init__(self, role: str, index: int, run_id: str, bootstrap: str, env: dict[str, str]) -> None:
+    def __init__(self, name: str, role: str, index: int, run_id: str, bootstrap: str, env: dict[str, str]) -> None:
         import ray
 
         from dora_rl.infra.broker.dist import dora_home
@@ -85,7 +85,6 @@ class RoleActor:
         home = Path(env["DORA_HOME"]) if env.get("DORA_HOME") else dora_home()  # the driver's, else this node's
         logs = home / "runs" / run_id / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        name = role if role not in ("rollout", "scorer") else f"{role}-{index}"
         cmd = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), sys.executable, "-m", "dora_rl", role,
                "--bootstrap-servers", bootstrap, "--run-id", run_id, "--index", str(index)]
         if role in WEIGHT_HOLDERS:
@@ -179,7 +178,8 @@ class RayRoles:
         actor_class = self.ray.remote(RoleActor)
         self.actors[name] = actor_class.options(
             name=name, lifetime="detached", max_restarts=MAX_RESTARTS, max_task_retries=0, get_if_exists=True,
-            **role_resources(self.config, role)).remote(role, index, self.run_id, self.bootstrap, self.env_of(role))
+            **role_resources(self.config, role)).remote(name, role, index, self.run_id, self.bootstrap,
+                                                              self.env_of(role))
         self.roles[name] = (role, index)
 
     def finished(self, name: str) -> bool:
