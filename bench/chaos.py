@@ -237,6 +237,7 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
              *[f"rollout-{i}" for i in range(config["num_instances"])]]
     events = schedule(roles, steps, kills_per_role, seed, zombies)
     kills: list[dict[str, Any]] = []
+    killed_pids: set[int] = set()
     episodes: list[dict[str, Any]] = []
     not_reached: list[dict[str, Any]] = []
     missed: list[dict[str, Any]] = []
@@ -263,7 +264,10 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
                 pid = role_pid(rdir, victim)
                 t_kill = time.time()
                 try:
+                    if pid in killed_pids or _exited(pid):  # an unreaped child still takes a signal
+                        raise ProcessLookupError(pid)
                     os.kill(pid, signal.SIGKILL)
+                    killed_pids.add(pid)
                     kills.append({"role": victim, "pid": pid, "at_step": len(watch.steps), "t_kill": t_kill})
                     break
                 except ProcessLookupError:
@@ -290,6 +294,14 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
             "crash_points_fired": sorted(p.name.removeprefix("crashed.") for p in home.glob("crashed.*")),
             "timeline": {"t_launch": round(t_launch, 3),
                          "step_times": [[s, round(t, 3)] for s, t in sorted(watch.step_times.items())]}}
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is dead or a zombie (exited, not yet reaped by the launcher's supervisor)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def clean_run(bootstrap: str, home: Path, steps: int) -> dict[str, Any]:

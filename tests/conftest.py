@@ -4,6 +4,7 @@ cluster instead."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import defaultdict
@@ -96,3 +97,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tr.write_line("slowest tests (setup + call + teardown):")
     for nodeid, seconds in slowest:
         tr.write_line(f"  {seconds:6.0f} s  {nodeid}")
+    _write_durations(Path(str(tr.config.rootpath)) / "build" / "test-durations.json")
+
+
+def _write_durations(path: Path) -> None:
+    """Every test's seconds, slowest first, for trimming the suite to its budget (``build/`` is not committed).
+    Merged into what an earlier session wrote there, so a run of a few tests updates only theirs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seconds = json.loads(path.read_text()) if path.is_file() else {}
+    seconds.update((k, round(v, 1)) for k, v in _test_s.items())
+    ranked = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+    path.write_text(json.dumps(ranked, indent=1) + "\n")
