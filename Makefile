@@ -48,10 +48,17 @@ setup-prometheus:
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
 	  || echo "warning: prometheus not installed: the Prometheus scrape test will fail in CI, skip elsewhere" >&2; }
 
-# The whole suite; its tier durations (unit, integration) and the CI budget are printed at the end; then the
-# vLLM engine's test in its own venv (the main venv's pytest skips it: vllm is not installed there).
+# The whole suite: the integration tier one test at a time (its runs share a broker and time themselves on the
+# machine's cores), then the unit tier on two pytest-xdist workers; each prints its durations and the CI budget,
+# and both run even when the first fails. Then the vLLM engine's test in its own venv (the main venv's pytest
+# skips it: vllm is not installed there). `make test ARGS=...` runs pytest once with those arguments instead.
 test: setup lint setup-browser setup-prometheus
+ifeq ($(strip $(ARGS)),)
+	rc=0; $(BIN)/python -m pytest -ra tests/integration || rc=$$?; \
+	  $(BIN)/python -m pytest -ra -n 2 tests/unit || rc=$$?; exit $$rc
+else
 	$(BIN)/python -m pytest -ra $(ARGS)
+endif
 	$(MAKE) test-vllm
 
 # vLLM's CPU build in its own venv (it pins setuptools, numba, ...; pip also pulls CUDA builds of torchvision,

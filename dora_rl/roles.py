@@ -178,13 +178,12 @@ def start_role(role: str, bootstrap: str, run_id: str | None, index: int | str =
 
         run_orchestrator(bootstrap, info.run_id, config, start, stop=stop.is_set, token=token)
     elif role == "dataset":
-        from dora_rl.modeling import load_tokenizer
-        from dora_rl.policy_source import resolve_model
+        from dora_rl.policy_source import prompt_encoder, resolve_model
         from dora_rl.producers.dataset import produce_prompts
 
-        tok = load_tokenizer(resolve_model(config.model, config.seed))  # the prompts' token ids: no weights
+        encode = prompt_encoder(resolve_model(config.model, config.seed))  # the prompts' token ids: no weights
         prompts_start = topic_start(start, topics.in_run(info.run_id, topics.PROMPTS))
-        n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), tok, prompts_start, token)
+        n = produce_prompts(bootstrap, info.run_id, config, prompts_needed(config), encode, prompts_start, token)
         log.info("wrote %d prompts", n)
     else:
         raise ValueError(f"unknown role {role!r}; roles: {ROLES}")

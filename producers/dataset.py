@@ -15,7 +15,7 @@ transaction and its index left out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -28,15 +28,16 @@ from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import DeadLetter, Prompt
 
 
-def generate_prompts(run_id: str, config: DoraConfig, count: int, tokenizer: object) -> Iterator[Prompt]:
+def generate_prompts(run_id: str, config: DoraConfig, count: int,
+                     encode: Callable[[str], list[int]]) -> Iterator[Prompt]:
     """The run's first ``count`` training prompts (:func:`dora_rl.prompt_source.training_prompts`:
-    deterministic in the config), tokenized with the policy's tokenizer (its chat template if any)."""
-    from dora_rl.modeling import encode_prompt
+    deterministic in the config), tokenized by ``encode`` (the policy's rule,
+    :func:`dora_rl.policy_source.prompt_encoder`: its chat template if any)."""
     from dora_rl.prompt_source import training_prompts
 
     for i, row in enumerate(training_prompts(config, count)):
         gid = f"{run_id}/p{i}"
-        ids = encode_prompt(tokenizer, row.prompt)  # type: ignore[arg-type]
+        ids = encode(row.prompt)
         yield Prompt(run_id=run_id, prompt_id=gid, group_id=gid, task=row.task, prompt_text=row.prompt,
                      prompt_ids=np.asarray(ids, dtype=np.int32), reference=row.reference, created_ms=now_ms())
 
@@ -54,7 +55,7 @@ def prompts_written(bootstrap: str, run_id: str, start: dict[int, int]) -> int:
     return k
 
 
-def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int, tokenizer: object,
+def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int, encode: Callable[[str], list[int]],
                     start: dict[int, int] | None = None, token: str = "") -> int:
     """Write the prompts not written yet, in one transaction; returns how many were written (an oversize
     prompt's refusal signed with the run's ``token``, so the audit counts its group refused)."""
@@ -65,7 +66,7 @@ def produce_prompts(bootstrap: str, run_id: str, config: DoraConfig, count: int,
         return 0
     producer.raw.begin_transaction()
     n = 0
-    for i, prompt in enumerate(generate_prompts(run_id, config, count, tokenizer)):
+    for i, prompt in enumerate(generate_prompts(run_id, config, count, encode)):
         if i < have:
             continue  # written by a predecessor
         try:

@@ -107,9 +107,9 @@ def test_resume_after_retention_deleted_what_the_run_needs_fails_with_that_reaso
 
 
 
-SHORT_RETENTION = {"log.retention.ms": 20_000, "log.segment.ms": 5_000, "log.retention.check.interval.ms": 2_000,
+SHORT_RETENTION = {"log.retention.ms": 10_000, "log.segment.ms": 3_000, "log.retention.check.interval.ms": 2_000,
                    "offsets.retention.minutes": 1, "offsets.retention.check.interval.ms": 2_000}
-"""A broker whose defaults forget fast: records after 20 s (the run's topics declare their own retention, so
+"""A broker whose defaults forget fast: records after 10 s (the run's topics declare their own retention, so
 theirs stay), idle groups' committed offsets 1 minute after their last commit."""
 
 
@@ -137,7 +137,7 @@ def test_a_run_outlives_short_retention_and_resumes_after_its_offsets_expired(do
         launcher, rdir = launch_run(bootstrap, dora_home, tmp_path, config, output=subprocess.DEVNULL)
         run_id = rdir.name
         try:
-            _wait(lambda: time.monotonic() - t0 > 25 and _steps_done(bootstrap, run_id) >= 2, 240,
+            _wait(lambda: time.monotonic() - t0 > 14 and _steps_done(bootstrap, run_id) >= 2, 240,
                   "a run older than the broker's record retention")
             done = _steps_done(bootstrap, run_id)
             print(f"killed at step {done} of {config['steps']}, {time.monotonic() - t0:.0f} s in", flush=True)

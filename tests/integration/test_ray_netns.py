@@ -5,12 +5,14 @@ stream roles and the driver, ``dora-rl run --ray``), Ray workers ``w1`` .. ``w3`
 joining later. Custom resources stand in for GPUs: a trainer may run on ``w1``, ``w2`` or ``w4``, rollout
 instances on ``w2``, ``w3`` or ``w4``. The trainer's checkpoints are on the S3 server.
 
-0. A role's process is killed -9 (the orchestrator): Ray starts its actor, hence the role, again.
-1. The trainer's host vanishes (every process SIGKILLed, the namespace deleted): Ray starts the trainer on
+0. The driver (``dora-rl run --ray``) is killed -9 and ``dora-rl resume RUN --ray`` adopts the role actors Ray
+   kept running (each at the same process).
+1. A role's process is killed -9 (the orchestrator): Ray starts its actor, hence the role, again.
+2. The trainer's host vanishes (every process SIGKILLed, the namespace deleted): Ray starts the trainer on
    another worker, where it restores from the object store.
-2. A rollout host vanishes and a new worker joins: Ray places the lost instances again; the orchestrator
+3. A rollout host vanishes and a new worker joins: Ray places the lost instances again; the orchestrator
    re-dispatches their work. ``dora-rl scale`` then adds a fourth instance and removes it.
-3. The trainer's host is partitioned (its link down, its processes alive) for longer than a restart takes:
+4. The trainer's host is partitioned (its link down, its processes alive) for longer than a restart takes:
    Ray declares the node dead and starts the trainer elsewhere; when the link returns, the cut-off trainer
    is fenced (its node was declared dead, so Ray ends it; its transactions could not commit either).
 
@@ -45,7 +47,8 @@ WORKERS = {"w1": {"dora_trainer": 1}, "w2": {"dora_trainer": 1, "dora_rollout": 
 PINNED = {role: {"num_cpus": 0, "resources": {res: 1}} for role, res in
           (("trainer", "dora_trainer"), ("rollout", "dora_rollout"), ("dataset", "dora_stream"),
            ("orchestrator", "dora_stream"), ("scorer", "dora_stream"), ("assembler", "dora_stream"))}
-CONFIG = emulated_run(steps=24, seed=41, num_instances=3, max_instances=4, instance_timeout_s=6.0,
+ROLES = {"dataset", "trainer", "orchestrator", "scorer-0", "assembler", "rollout-0", "rollout-1", "rollout-2"}
+CONFIG = emulated_run(steps=20, seed=41, num_instances=3, max_instances=4, instance_timeout_s=6.0,
                       checkpoint_url=f"s3://{BUCKET}/runs", ray_resources=PINNED)
 
 
@@ -97,13 +100,15 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         rdir = next(d for d in runs.iterdir() if (d / "placement.json").exists())
         run_id = rdir.name
 
-        # 0. a role's process killed -9: Ray starts its actor again
-        wait_for(lambda: steps_done(bootstrap, run_id) >= 1 and "orchestrator" in _placement(rdir), 240, "step 1")
+        # 0. the driver killed -9 and resumed with --ray: the new driver adopts the actors Ray kept running
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 1 and set(_placement(rdir)) >= ROLES, 240, "step 1")
+        driver = _resume_driver(lab, driver, address, bootstrap, run_id, rdir, env, tmp_path, out)
+        # 1. a role's process killed -9: Ray starts its actor again
         killed = _placement(rdir)["orchestrator"]["pid"]
         os.kill(killed, signal.SIGKILL)
         wait_for(lambda: _placement(rdir)["orchestrator"]["pid"] != killed, 120, "Ray to restart the orchestrator")
 
-        # 1. the trainer's host vanishes
+        # 2. the trainer's host vanishes
         wait_for(lambda: steps_done(bootstrap, run_id) >= 3 and _host_of(lab, rdir, "trainer"), 240, "step 3")
         lost = _host_of(lab, rdir, "trainer")
         lab.lose(lost)
@@ -112,7 +117,7 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         wait_for(lambda: steps_done(bootstrap, run_id) >= 6, 240, "step 6 after the trainer moved")
         print(f"trainer lost on {lost}, back and 3 steps on in {time.monotonic() - t_moved:.0f}s")
 
-        # 2. a rollout host vanishes, a new worker joins, an instance is added and removed
+        # 3. a rollout host vanishes, a new worker joins, an instance is added and removed
         lab.lose("w3")
         ray_cluster.start_worker(address, lab.ip("w4"), 4, WORKERS["w4"], prefix=lab.prefix("w4"), env=env)
         _scale(lab, address, run_id, 4)
@@ -121,7 +126,7 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         _scale(lab, address, run_id, 3)
         wait_for(lambda: steps_done(bootstrap, run_id) >= 11, 240, "step 11")
 
-        # 3. the trainer's host is cut off, long enough for Ray to start it elsewhere, then heals
+        # 4. the trainer's host is cut off, long enough for Ray to start it elsewhere, then heals
         cut, cut_off = _host_of(lab, rdir, "trainer"), _placement(rdir)["trainer"]["pid"]
         lab.cut(cut)
         wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", cut), 120, "the trainer started elsewhere")
@@ -147,6 +152,25 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         ray_cluster.stop()  # every Ray process on this machine, whichever namespace it is in
         s3.stop()
         broker.stop()
+
+
+def _resume_driver(lab: Any, driver: Any, address: str, bootstrap: str, run_id: str, rdir: Path,
+                   env: dict[str, str], tmp_path: Path, out: Path) -> Any:
+    """Kill the driver -9 and start ``dora-rl resume RUN --ray``; returns the new driver once it follows every
+    role, each at the process the old driver placed (adopted, not started again)."""
+    driver.kill()
+    driver.wait()
+    before = {name: p["pid"] for name, p in _placement(rdir).items()}
+    (rdir / "placement.json").unlink()
+    resumed = lab.popen("head", [sys.executable, "-m", "dora_rl", "resume", run_id, "--ray", address,
+                                 "--bootstrap-servers", bootstrap, "--json", str(out), "--quiet"],
+                        env={**os.environ, **env}, stdout=(tmp_path / "driver-resumed.log").open("wb"),
+                        stderr=subprocess.STDOUT)
+    wait_for(lambda: (rdir / "placement.json").exists() and set(_placement(rdir)) >= set(before), 120,
+             f"the resumed driver: {(tmp_path / 'driver-resumed.log').read_text()[-2000:]}")
+    after = {name: _placement(rdir)[name]["pid"] for name in before}
+    assert after == before, f"the resumed driver started roles again instead of adopting them: {before} -> {after}"
+    return resumed
 
 
 def _placement(rdir: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.core.prompt_data import parse_gym_reference
 from dora_rl.core.rewards import task_reward
 from dora_rl.core.tasks import get_task
-from dora_rl.modeling import build_char_tokenizer
+from dora_rl.modeling import build_char_tokenizer, encode_prompt
 from dora_rl.producers.dataset import generate_prompts
 from dora_rl.prompt_source import EVAL_SEED_OFFSET, dataset_identity, heldout_prompts, training_prompts
 
@@ -57,7 +57,7 @@ def test_producer_writes_the_training_rows(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "d.jsonl", 12)
     cfg = DoraConfig(dataset=str(path), prompt_field="question", reward_fn="exact", heldout=2).validate()
     tok = build_char_tokenizer()
-    prompts = list(generate_prompts("run", cfg, 5, tok))
+    prompts = list(generate_prompts("run", cfg, 5, lambda text: encode_prompt(tok, text)))
     rows = training_prompts(cfg, 5)
     assert [p.prompt_text for p in prompts] == [r.prompt for r in rows]
     assert [p.reference for p in prompts] == [r.reference for r in rows]
