@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from run_processes import leftover_run_processes
 
 torch.set_num_threads(1)
 
@@ -35,6 +38,22 @@ def dora_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             os.environ.pop("DORA_HOME", None)
         else:
             os.environ["DORA_HOME"] = old
+
+
+@pytest.fixture(autouse=True)
+def _reap_leftover_run_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After each test, SIGKILL the run processes it left alive and say so. A test stopped by its timeout
+    SIGKILLs the launcher it started, whose roles (in sessions of their own) would otherwise run on and slow
+    every later test."""
+    yield
+    left = leftover_run_processes(tmp_path_factory.getbasetemp())
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        warnings.warn(f"killed {len(left)} run process(es) the test left alive: {left}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
