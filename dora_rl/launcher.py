@@ -394,8 +394,11 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
     for i in range(config.num_instances):
         sup.start(role_name("rollout", i), "rollout", i)
 
-    def record_pids() -> None:
-        (rdir / sup.placement_file).write_text(json.dumps(sup.placement()))
+    def record_pids() -> None:  # written whole or not at all: `resume`, `dora-rl scale` and tests read it live
+        path = rdir / sup.placement_file
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(sup.placement()))
+        os.replace(tmp, path)
 
     record_pids()
 
