@@ -69,7 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos_zombies import role_pid, zombie_episode, zombie_line  # bench/ is on sys.path
+from chaos_zombies import proc_stat, role_pid, zombie_episode, zombie_line  # bench/ is on sys.path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KILL_WAIT_S = 60.0  # a scheduled kill waits this long for its role to be running again (e.g. after a crash point)
@@ -298,10 +298,8 @@ def chaos_run(bootstrap: str, home: Path, steps: int, kills_per_role: int, seed:
 
 def _exited(pid: int) -> bool:
     """Whether ``pid`` is dead or a zombie (exited, not yet reaped by the launcher's supervisor)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    stat = proc_stat(pid)
+    return stat is None or stat[0] in "ZX"
 
 
 def clean_run(bootstrap: str, home: Path, steps: int) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from dora_rl.infra.kafka.runs import (
 )
 from dora_rl.infra.kafka.security import child_env, effective
 from dora_rl.infra.kafka.signing import signature_problem
+from dora_rl.infra.storage import write_atomic
 from dora_rl.prompt_source import dataset_identity
 from dora_rl.schemas.records import InstanceStatus, Metric, RunInfo
 
@@ -395,10 +396,7 @@ def supervise(bootstrap: str, info: RunInfo, config: DoraConfig, t_start: float,
         sup.start(role_name("rollout", i), "rollout", i)
 
     def record_pids() -> None:  # written whole or not at all: `resume`, `dora-rl scale` and tests read it live
-        path = rdir / sup.placement_file
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(sup.placement()))
-        os.replace(tmp, path)
+        write_atomic(rdir / sup.placement_file, json.dumps(sup.placement()).encode())
 
     record_pids()
 

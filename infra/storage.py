@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -158,6 +159,27 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: Any) -> None:
+    """Write the buffer ``data`` to ``path`` atomically: temporary name, ``fsync``, ``os.replace``.
+
+    Raises ``OSError`` (with the path) on failure, after removing the temporary file.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    view = memoryview(data).cast("B")
+    try:
+        with open(tmp, "wb", buffering=0) as fh:
+            done = 0
+            while done < view.nbytes:
+                done += fh.write(view[done:])
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
+        raise
 
 
 def local_tmp(final: Path) -> Path:

@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dora_rl.infra.storage import write_atomic
 
 from .manifest import WeightManifest
 from .protocol import PROTO, BulkConn, HolderFailed, WeightChannelError
@@ -71,27 +72,6 @@ def bucket_path(directory: Path, version: int, index: int) -> Path:
 def listed_versions(directory: Path) -> list[int]:
     """Versions whose index is in ``directory``, ascending."""
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _INDEX.match(p.name)))
-
-
-def write_atomic(path: Path, data: Any) -> None:
-    """Write the buffer ``data`` to ``path`` atomically: temporary name, ``fsync``, ``os.replace``.
-
-    Raises ``OSError`` (with the path) on failure, after removing the temporary file.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    view = memoryview(data).cast("B")
-    try:
-        with open(tmp, "wb", buffering=0) as fh:
-            done = 0
-            while done < view.nbytes:
-                done += fh.write(view[done:])
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
-        raise
 
 
 def fsync_dir(directory: Path) -> None:
