@@ -111,6 +111,9 @@ class Setting:
     keeps_kv: bool = False
     """Colocated only: the instances keep their KV cache while the trainer holds their GPUs (an upper bound:
     by default it is freed and work in flight is prefilled again, as verl's and Kimi's engines do)."""
+    kv_across_versions: bool = False
+    """A moved trajectory keeps its KV across a version change (the simulator's ``kv_across_versions``: with partial
+    rollout, the ceiling of a scheduler that keeps C1; ``bench/c1_ceiling.py``, decision 0073)."""
     ablate: str = ""
     """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
     again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``pack_due``, ``due_kept``,
@@ -123,6 +126,7 @@ class Setting:
         tp = "" if self.tp == TP else f" tp={self.tp} hop={self.hop_latency_s * 1e6:g}us"
         off = f" {self.ablate}" if self.ablate else ""
         off += " kv-kept" if self.keeps_kv else ""
+        off += " kv-across-versions" if self.kv_across_versions else ""
         return (f"{self.mode} S={self.staleness} RBS={self.rbs_factor:g}xTBS {lay} seqs={self.max_num_seqs}"
                 f"{policy}{tp}{off}")
 
@@ -170,7 +174,8 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     try:
         r = simulate(cfg, p, train_s_per_token=spt, train_s_fixed=w.train_s_fixed, prompt_tokens=w.prompt,
                      switch_s=switch_seconds(H800, QWEN25_32B, setting.tp, colocated=setting.colocated),
-                     colocated=setting.colocated, colocated_keeps_kv=setting.keeps_kv)
+                     colocated=setting.colocated, colocated_keeps_kv=setting.keeps_kv,
+                     kv_across_versions=setting.kv_across_versions)
     except RuntimeError as exc:
         raise RuntimeError(f"{setting.name}, seed {seed}, {w.steps} steps: {exc}") from exc
     return figures(r, setting, w, n_inst)

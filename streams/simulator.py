@@ -225,7 +225,8 @@ class _Instance:
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
              train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
              max_events: int | None = None, group_prefix: str = "g", colocated: bool = False,
-             colocated_keeps_kv: bool = False, tick_s: float = 1.0) -> SimResult:
+             colocated_keeps_kv: bool = False, tick_s: float = 1.0,
+             kv_across_versions: bool = False) -> SimResult:
     """Run ``config`` on the virtual clock; returns figures and the invariant counters.
 
     ``prompt_tokens`` is every prompt's length (prefill, KV and the trainer's cost count it).
@@ -237,7 +238,10 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     cache is freed for the trainer (verl's and Kimi's engines release it while the trainer holds the GPUs),
     so each resumes with a re-prefill of its context; ``colocated_keeps_kv`` keeps it resident instead (no
     real 32B setup has the memory for both: a favourable upper bound). ``tick_s``: the orchestrator's
-    punctuate period (the rules also run at every event)."""
+    punctuate period (the rules also run at every event). ``kv_across_versions``: a trajectory moved to an
+    instance of another version keeps its KV (charged as a move, not a re-prefill). No engine can do this exactly
+    (the KV was computed by other weights): it prices partial rollout with its one cost that a scheduler keeping
+    C1 avoids removed, so it is the ceiling of any such scheduler at the same rules (decision 0073)."""
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
@@ -313,7 +317,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             schedule(inst)
         for mig, target in decided.resumes:
             tr = mig.partial
-            tr.kv_held = tr.kv_held and tr.version == mig.version  # KV of other weights is recomputed
+            # KV of other weights is recomputed (unless the ceiling of decision 0073 is asked for)
+            tr.kv_held = tr.kv_held and (kv_across_versions or tr.version == mig.version)
             tr.version = mig.version
             admit(insts[target], tr, now)
         for step, tids in decided.plans:

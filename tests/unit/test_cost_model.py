@@ -205,3 +205,16 @@ def test_a_run_where_nothing_can_happen_is_an_error_not_a_silent_spin(monkeypatc
     monkeypatch.setattr(simulator, "make_scheduler", idle)
     with pytest.raises(RuntimeError, match="stalled"):
         simulate(_cfg("dora", 2, 64), EmulatedParams(time_scale=0.0))
+
+
+def test_partial_keeping_its_kv_across_versions_pays_moves_not_re_prefills() -> None:
+    """``kv_across_versions`` (decision 0073's ceiling): a partial-rollout trajectory moved to the newest version
+    is charged as a KV move instead of a re-prefill; the run is otherwise the same (TBS exact, nothing refused)."""
+    p = EmulatedParams(time_scale=0.0, seed=1, cap_fraction=0.1, prefill_s_per_token=1e-4, kv_move_s_per_token=1e-6)
+    runs = {keep: simulate(_cfg("partial", 2, 64), p, train_s_fixed=2.0, kv_across_versions=keep)
+            for keep in (False, True)}
+    for r in runs.values():
+        assert r.steps == 6 and r.batch_sizes == [32] * 6 and r.refused == 0
+        assert r.mixed_version_trajectories > 0, "partial rollout moves work to new weights: the test needs some"
+    assert runs[False].lost.reprefill_s > 0 and runs[False].lost.kv_move_s == 0
+    assert runs[True].lost.kv_move_s > 0 and runs[True].lost.reprefill_s < runs[False].lost.reprefill_s
