@@ -48,13 +48,14 @@ setup-prometheus:
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
 	  || echo "warning: prometheus not installed: the Prometheus scrape test will fail in CI, skip elsewhere" >&2; }
 
-# The whole suite: the integration tier one test at a time (its runs share a broker and time themselves on the
-# machine's cores), then the unit tier on two pytest-xdist workers; each prints its durations and the CI budget,
-# and both run even when the first fails. Then the vLLM engine's test in its own venv (the main venv's pytest
+# The whole suite: the integration tier on two pytest-xdist workers, a test file at a time each (its runs wait on
+# Kafka, timeouts and restarts more than they compute: one worker kept the 2 cores ~38% busy; each worker starts
+# its own broker, and a file's tests share its runs), then the unit tier on two workers; each prints its
+# durations and the CI budget, and both run even when the first fails (decision 0072). Then the vLLM engine's test in its own venv (the main venv's pytest
 # skips it: vllm is not installed there). `make test ARGS=...` runs pytest once with those arguments instead.
 test: setup lint setup-browser setup-prometheus
 ifeq ($(strip $(ARGS)),)
-	rc=0; $(BIN)/python -m pytest -ra tests/integration || rc=$$?; \
+	rc=0; $(BIN)/python -m pytest -ra -n 2 --dist loadfile tests/integration || rc=$$?; \
 	  $(BIN)/python -m pytest -ra -n 2 tests/unit || rc=$$?; exit $$rc
 else
 	$(BIN)/python -m pytest -ra $(ARGS)

@@ -105,12 +105,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Seconds per tier (setup + call + teardown of its tests), and the suite against the CI budget."""
+    """Seconds per tier (setup + call + teardown of its tests, summed), and the session's wall time against the CI
+    budget."""
     wall = time.monotonic() - _session_start
     tr = terminalreporter
     tr.section("CI budget: duration per tier")
+    workers = getattr(tr.config.option, "numprocesses", None)
+    parallel = f" (on {workers} xdist workers at once: more than the wall time)" if workers else ""
     for tier in sorted(_tier_s):
-        tr.write_line(f"tier {tier}: {_tier_s[tier]:.0f} s ({_tier_n[tier]} tests)")
+        tr.write_line(f"tier {tier}: {_tier_s[tier]:.0f} s summed over its {_tier_n[tier]} tests{parallel}")
     tr.write_line(f"pytest wall time {wall:.0f} s of the {CI_BUDGET_S // 60}-minute budget "
                   f"({100 * wall / CI_BUDGET_S:.0f}%; lint is timed by make as 'tier lint')")
     slowest = sorted(_test_s.items(), key=lambda kv: -kv[1])[:15]

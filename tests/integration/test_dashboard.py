@@ -4,7 +4,9 @@ The checks read the page as rendered, after its script fetched ``api/run`` and d
 with a virtual-time budget): one timeline row per rollout instance, and a step count that grows
 between two reads while the run goes on (the trainer is paused during each read, so neither can meet the
 run's end however slow the render). A screenshot of the finished run's page is saved to
-``docs/dashboard.png``. Chromium comes from ``make setup-browser`` (which ``make test`` runs): in CI
+``build/dashboard.png`` (to ``docs/dashboard.png`` as well with ``DORA_UPDATE_DOCS=1``: a test run leaves the
+source tree as it found it, so a bench run from the same clone is not marked dirty). Chromium comes from
+``make setup-browser`` (which ``make test`` runs): in CI
 (``CI`` set) a missing browser fails this test; elsewhere it is skipped with the reason.
 """
 
@@ -124,7 +126,10 @@ def test_dashboard_renders_a_live_run(bootstrap: str, dora_home: Path, tmp_path:
         res = subprocess.run([browser, *FLAGS, "--window-size=1000,1100", f"--screenshot={shot}", base],
                              capture_output=True, text=True, timeout=90)
         assert res.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", res.stderr[-2000:]
-        shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
+        (ROOT / "build").mkdir(exist_ok=True)
+        shutil.copyfile(shot, ROOT / "build" / "dashboard.png")
+        if os.environ.get("DORA_UPDATE_DOCS") == "1":
+            shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
     finally:
         for p in (dashboard, launcher):
             if p is not None and p.poll() is None:
