@@ -9,7 +9,8 @@ version at no memory or step-time cost.
 
 For each scale, on the reported seeds 3-5 of ``bench/scheduler.py``'s protocol, the settings its committed results
 chose (``CHOSEN``): DORA, the bounded partial, and the bounded partial at the ceiling. Reported: DORA / partial,
-ceiling / partial, DORA / ceiling, each with the paired 95% interval over the seeds.
+ceiling / partial, DORA / ceiling, each with the paired 95% interval over the seeds. The same for
+``bench/modes``' 2-instance workload, simulated on its committed reported runs (``modes_ceiling``).
 
 Usage::
 
@@ -44,6 +45,8 @@ CHOSEN = {
           Setting("partial_bounded", S, 2.0, 80, 48, max_num_seqs=256, tp=8, hop_latency_s=HOP_US * 1e-6)),
 }
 """Per GPU count: the committed result whose chosen settings these are, DORA's choice, the bounded partial's."""
+MODES = "modes-20261128-092556.json"
+"""The current ``bench/modes`` result (``bench/README.md``)."""
 
 
 def check_chosen(gpus: int) -> None:
@@ -73,6 +76,30 @@ def measure(gpus: int, w: Workload, eff: Efficiencies) -> dict[str, Any]:
                                      "interval": paired_ratio_interval(thr[a], thr[b])}
                      for a, b in (("dora", "partial"), ("ceiling", "partial"), ("dora", "ceiling"))}
     return out
+
+
+def modes_ceiling(name: str) -> dict[str, Any]:
+    """``bench/modes``' workload (2 instances): its reported runs simulated again, the bounded partial's also at
+    the ceiling (on its own runs' ids, so the same request lengths); DORA / ceiling paired by seed as
+    ``bench/modes`` pairs DORA and partial."""
+    from modes import mode_config, simulate_same
+
+    result = json.loads((RESULTS / name).read_text())
+    best, steps = result["best"], result["steps"]
+    sims: dict[str, list[float]] = {"dora": [], "partial": [], "ceiling": []}
+    for label, mode, ceiling in (("dora", "dora", False), ("partial", "partial_bounded", False),
+                                 ("ceiling", "partial_bounded", True)):
+        for r in best[mode]["runs"]:
+            cfg = mode_config(mode, steps, best[mode]["setting"], r["seed"])
+            sim = simulate_same(cfg, r["mean_prompt_tokens"], r["run_id"], kv_across_versions=ceiling)
+            sims[label].append(sim["throughput_tokens_per_s"])
+    recorded = {label: [r["simulated"]["throughput_tokens_per_s"] for r in best[mode]["runs"]]
+                for label, mode in (("dora", "dora"), ("partial", "partial_bounded"))}
+    return {"from": name, "seeds": [r["seed"] for r in best["dora"]["runs"]], "simulated": sims,
+            "recorded_simulated": recorded,
+            "ratios": {f"{a}_vs_{b}": {"mean": statistics.fmean(sims[a]) / statistics.fmean(sims[b]),
+                                       "interval": paired_ratio_interval(sims[a], sims[b])}
+                       for a, b in (("dora", "partial"), ("ceiling", "partial"), ("dora", "ceiling"))}}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -107,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="the ceiling of a C1 scheduler against partial rollout (module docstring)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[64, 128], choices=sorted(CHOSEN))
+    ap.add_argument("--modes-result", default=MODES, help="bench/modes result whose reported runs to simulate")
     args = ap.parse_args(argv)
     t0 = time.time()
     w, eff = Workload(), replace(Efficiencies(), train_mfu=MFU)
@@ -118,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         r = out["results"][str(gpus)]["ratios"]
         print(f"{gpus} GPUs: " + ", ".join(f"{k} {v['mean']:.3f} [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                                            for k, v in r.items()), flush=True)
+    out["bench_modes"] = modes_ceiling(args.modes_result)
+    r = out["bench_modes"]["ratios"]
+    print("bench/modes (simulated): " + ", ".join(f"{k} {v['mean']:.3f} [{v['interval'][0]:.3f}, "
+                                                  f"{v['interval'][1]:.3f}]" for k, v in r.items()), flush=True)
     out["wall_seconds"] = round(time.time() - t0)
     path = write_result("c1-ceiling", out)
     plot(out, path.with_suffix(".png"))

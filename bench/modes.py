@@ -13,8 +13,11 @@ invocation.
 **Fair baselines** (issues 13, 29): TBS = 128 fills the 2 x 64 decode slots, so sync runs its batch at full
 occupancy. Each mode's own knobs are swept, and the best mean throughput on the choosing seeds (0-2) is run on
 the report seeds (3-5), which the figures show (sync and one_step_off: nothing to sweep, their waves are TBS and
-2 x TBS by construction; ``partial``, unbounded: RBS 2 / 3 x TBS; ``partial_bounded``, held to S = 2: RBS 2 / 3 x
-TBS; ``dora``, S = 2, RBS 3 x TBS: re-partition ``drain`` / ``consolidate``). Ratios are against each baseline's
+2 x TBS by construction; ``partial``, unbounded: RBS 2 / 3 x TBS; ``partial_bounded``, held to S = 2: RBS 1.5 /
+1.75 / 2 / 3 x TBS; ``dora``, S = 2: re-partition ``drain`` / ``consolidate`` x RBS 2 / 3 x TBS — the two held to the
+bound get 4 settings each; the simulator found DORA faster at RBS 2 x TBS than at the 3 x it alone was swept at
+before 2026-11-28, and the bounded partial's RBS above 3 x changes nothing, the EDF condition binds first, decision
+0073). Ratios are against each baseline's
 best, with the paired-bootstrap interval over the report seeds. ``--ablate`` runs DORA ``consolidate`` with each
 of its rules off in turn (:data:`ABLATIONS`), each run replayed by the simulator too.
 
@@ -99,15 +102,15 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 
 def settings(mode: str, quick: bool) -> list[dict[str, Any]]:
     """The sweep of one mode: its own knobs (RBS = what it keeps in flight; re-partition policy). DORA and the
-    bounded partial are held to the same ``S`` and get sweeps of the same size (2)."""
+    bounded partial are held to the same ``S`` and get sweeps of the same size (4)."""
     grid: dict[str, list[dict[str, Any]]] = {
         "sync": [{"rollout_batch_size": TBS}],
         "one_step_off": [{"rollout_batch_size": 2 * TBS}],  # two waves in flight by construction: nothing to sweep
         "partial": [{"rollout_batch_size": 2 * TBS}, {"rollout_batch_size": 3 * TBS}],
-        "partial_bounded": [{"max_staleness": S, "rollout_batch_size": f * TBS} for f in (2, 3)],
-        "dora": [{"max_staleness": S, "rollout_batch_size": (S + 1) * TBS, "repartition_policy": "drain"},
-                 {"max_staleness": S, "rollout_batch_size": (S + 1) * TBS, "repartition_policy": "consolidate",
-                  "instance_kv_tokens": KV_ROOM}],
+        "partial_bounded": [{"max_staleness": S, "rollout_batch_size": int(f * TBS)} for f in (1.5, 1.75, 2, 3)],
+        "dora": [{"max_staleness": S, "rollout_batch_size": f * TBS, "repartition_policy": "drain"} for f in (2, 3)]
+        + [{"max_staleness": S, "rollout_batch_size": f * TBS, "repartition_policy": "consolidate",
+            "instance_kv_tokens": KV_ROOM} for f in (2, 3)],
     }
     return grid[mode][-1:] if quick else grid[mode]
 
@@ -196,9 +199,11 @@ def steady_figures(step_end_s: list[float], step_tokens: list[float]) -> dict[st
             "step_time_s": wall / (len(step_end_s) - WARMUP), "steady_wall_s": wall}
 
 
-def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str) -> dict[str, Any]:
+def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str,
+                  kv_across_versions: bool = False) -> dict[str, Any]:
     """The simulator on the same configuration (virtual clock): throughput and step time. Its groups carry the
-    real run's ids, so each request draws the same emulated length as it did in that run."""
+    real run's ids, so each request draws the same emulated length as it did in that run. ``kv_across_versions``:
+    the simulator's knob of that name (``bench/c1_ceiling.py``)."""
     from dora_rl.config import DoraConfig
     from dora_rl.core.emulation import EmulatedParams
     from dora_rl.streams.simulator import simulate
@@ -207,7 +212,8 @@ def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str) -> 
     params = EmulatedParams.from_dict({"seed": cfg.seed, **cfg.emulated, "time_scale": 0.0})
     r = simulate(cfg, params, train_s_fixed=cfg.modelled_train_s_fixed,
                  train_s_per_token=cfg.modelled_train_s_per_token, switch_s=params.load_s,
-                 prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p", tick_s=PUNCTUATE_S)
+                 prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p", tick_s=PUNCTUATE_S,
+                 kv_across_versions=kv_across_versions)
     return {**steady_figures(r.step_end_s, [float(n) for n in r.step_tokens]), "steps": r.steps,
             "whole_run_throughput": r.throughput, "lost": r.lost.as_dict()}
 
@@ -356,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {mode}: {label(mode, setting)} on seeds {seeds}", file=sys.stderr, flush=True)
             result["best"][mode] = {"setting": setting, "runs": [measure(mode, setting, seed) for seed in seeds]}
         if args.ablate:
-            base = settings("dora", False)[1]
+            base = next(st for st in settings("dora", False)  # the ablation's base, as before the wider sweep
+                        if st["repartition_policy"] == "consolidate" and st["rollout_batch_size"] == (S + 1) * TBS)
             chosen = result["best"].get("dora", {})
             runs = chosen["runs"] if chosen.get("setting") == base else [measure("dora", base, s) for s in seeds]
             result["ablation"]["none"] = {"setting": base, "runs": runs}
