@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             result["best"][mode] = {"setting": setting, "runs": [measure(mode, setting, seed) for seed in seeds]}
         if args.ablate:
             base = next(st for st in settings("dora", False)  # the ablation's base, as before the wider sweep
-                        if st["repartition_policy"] == "consolidate" and st["rollout_batch_size"] == (S + 1) * TBS)
+                        if st["repartition_policy"] == "consolidate" and st["rollout_batch_size"] == 3 * TBS)
             chosen = result["best"].get("dora", {})
             runs = chosen["runs"] if chosen.get("setting") == base else [measure("dora", base, s) for s in seeds]
             result["ablation"]["none"] = {"setting": base, "runs": runs}
