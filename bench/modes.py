@@ -35,12 +35,14 @@ the staleness histogram and the audit verdict.
 
 Usage: ``python bench/modes.py [--steps 10] [--choose-seeds 0 1 2] [--report-seeds 3 4 5] [--modes
 sync,one_step_off,partial,partial_bounded,dora] [--ablate]`` (``--quick``: no sweep, one setting per mode, the first
-report seed). Writes ``bench/results/modes-<timestamp>.json`` and ``.png``.
+report seed; ``--chosen-from RESULT``: no sweep, the settings that result chose, on more report seeds). Writes
+``bench/results/modes-<timestamp>.json`` and ``.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -307,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="sync,one_step_off,partial,partial_bounded,dora")
     ap.add_argument("--ablate", action="store_true", help="DORA consolidate with each rule off, on the report seeds")
     ap.add_argument("--quick", action="store_true", help="no sweep: one setting per mode, the first report seed")
+    ap.add_argument("--chosen-from", default=None,
+                    help="a bench/modes result: run the settings it chose on the report seeds, no sweep")
     ap.add_argument("--bootstrap-servers", default=None, help="use this cluster instead of a fresh local broker")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -345,8 +349,16 @@ def main(argv: list[str] | None = None) -> int:
               f"audit {'PASS' if fig['audit_ok'] else 'FAIL'}", file=sys.stderr, flush=True)
         return fig
 
+    earlier = json.loads(Path(args.chosen_from).read_text()) if args.chosen_from else {}
+    chosen_before = earlier.get("best", {})
+    if earlier:  # the choice was made there, on its choosing seeds
+        result["chosen_from"], result["choose_seeds"] = Path(args.chosen_from).name, earlier["choose_seeds"]
+
     def choose(mode: str) -> dict[str, Any]:
-        """The setting of ``mode`` with the best mean throughput on the choosing seeds (no run when one)."""
+        """The setting of ``mode`` with the best mean throughput on the choosing seeds (no run when one), or the
+        one ``--chosen-from`` chose."""
+        if chosen_before:
+            return dict(chosen_before[mode]["setting"])
         grid = settings(mode, args.quick)
         if len(grid) == 1:
             return grid[0]
