@@ -8,9 +8,12 @@ when it dies; Kafka stays the only channel between roles (Ray is placement, neve
   (``max_restarts``) starts the actor again, on any node with the resources, the node it ran on included
   unless that node is gone. A child that exits 0 has finished its work; its actor stays, idle. The child dies
   with its actor (``PR_SET_PDEATHSIG``), so a killed actor leaves no orphan role.
-- The **desired number of rollout instances** lives in a small named actor (:class:`RunControl`);
-  ``dora-rl scale RUN_ID --instances N`` sets it and the driver adds instances (the smallest free indices,
-  below ``max_instances``) or removes the highest ones (SIGTERM first: an instance hands its work back).
+- The **desired number of rollout instances** lives in a small named actor (:class:`RunControl`) pinned to
+  the driver's node (a hard affinity: Ray's soft one was seen placing it on a worker, where a lost or cut host
+  took it down); ``dora-rl scale RUN_ID --instances N`` sets it and the driver adds instances (the smallest
+  free indices, below ``max_instances``) or removes the highest ones (SIGTERM first: an instance hands its
+  work back). The actor starts *unseeded* and the driver seeds it, only while unseeded, with the instances
+  Ray holds for the run: a restarted control actor (Ray re-runs its constructor) never reverts a scale.
 - The **driver** (:class:`RayRoles`, used by ``launcher.supervise`` in place of the local
   :class:`~dora_rl.supervisor.Supervisor`) only follows: it counts a restart when a role's (node, pid)
   changes, reports a role finished when its child exited 0, and fails the run when Ray gave up on a role
@@ -117,16 +120,23 @@ class RoleActor:
 
 
 class RunControl:
-    """The run's desired number of rollout instances (set by ``dora-rl scale``, read by the driver)."""
+    """The run's desired number of rollout instances (set by ``dora-rl scale``, read by the driver); ``None``
+    until seeded. Invariant: a count once set changes only by :meth:`set_instances`, never by a seed."""
 
-    def __init__(self, instances: int) -> None:
-        self.count = instances
+    def __init__(self) -> None:
+        self.count: int | None = None
+
+    def seed(self, n: int) -> int:
+        """Set the count to ``n`` if nothing set it yet (a fresh or restarted actor); the count now."""
+        if self.count is None:
+            self.count = int(n)
+        return self.count
 
     def set_instances(self, n: int) -> int:
         self.count = int(n)
         return self.count
 
-    def instances(self) -> int:
+    def instances(self) -> int | None:
         return self.count
 
 
@@ -168,10 +178,10 @@ class RayRoles:
         self.failed: str | None = None
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=True)
+        here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=False)
         self.control = self.ray.remote(RunControl).options(  # beside the driver: lost only with it
             name=CONTROL, lifetime="detached", num_cpus=0, max_restarts=-1, get_if_exists=True,
-            scheduling_strategy=here).remote(config.num_instances)
+            scheduling_strategy=here).remote()
 
     def start(self, name: str, role: str, index: int = 0) -> None:
         """Place ``role`` (an existing actor of that name, a previous driver's, is adopted)."""
@@ -228,14 +238,25 @@ class RayRoles:
             return False
 
     def _desired(self) -> int:
-        """The count ``dora-rl scale`` asked for; the current one while the control actor does not answer."""
+        """The count ``dora-rl scale`` asked for (an unseeded control actor is seeded with :meth:`_held`); the
+        current one while the control actor does not answer."""
         from ray.exceptions import RayError
 
         try:
-            return int(self.ray.get(self.control.instances.remote(), timeout=5))
+            count = self.ray.get(self.control.instances.remote(), timeout=5)
+            if count is None:
+                count = self.ray.get(self.control.seed.remote(self._held()), timeout=5)
+                log.warning("the control actor was seeded: %d rollout instances desired", count)
+            return int(count)
         except RayError as exc:
             log.warning("the control actor did not answer (%s): instances left as they are", exc)
             return len(self._instances())
+
+    def _held(self) -> int:
+        """The rollout instances Ray holds for this run (named ``rollout-<i>`` in its namespace, alive or
+        restarting), those this driver started included: what was desired last, whichever driver scaled."""
+        named = {str(n) for n in self.ray.util.list_named_actors() if str(n).startswith("rollout-")}
+        return max(1, len(named | {f"rollout-{i}" for i in self._instances()}))
 
     def _instances(self) -> list[int]:
         return sorted(i for role, i in self.roles.values() if role == "rollout")

@@ -70,3 +70,16 @@ def alive_nodes(address: str, expect: int, timeout: float = 60.0) -> None:
             return
         time.sleep(1)
     raise AssertionError(f"{address}: {seen or 'no answer'} alive nodes, expected {expect}")
+
+
+def describe_nodes(address: str) -> str:
+    """One line per node of the cluster at ``address`` (its address and whether Ray counts it alive), for a
+    failing test's message; what went wrong asking, if that failed."""
+    code = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+            "print('; '.join(f\"{n['NodeManagerAddress']} {'alive' if n['Alive'] else 'dead'}\" for n in ray.nodes()))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "Ray's nodes: no answer within 60 s"
+    return f"Ray's nodes: {out.stdout.strip() or out.stderr.strip()[-500:]}"
+

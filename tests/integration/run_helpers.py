@@ -40,11 +40,13 @@ def steps_done(bootstrap: str, run_id: str) -> int:
     return len(steps)
 
 
-def wait_for(cond: Any, timeout: float, what: str) -> None:
+def wait_for(cond: Any, timeout: float, what: str | Callable[[], str]) -> None:
+    """Poll ``cond`` every 0.5 s until true; past ``timeout`` fail with ``what`` (a callable: called then, so
+    that the message can show the state at the time of the failure)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}")
         time.sleep(0.5)
 
 

@@ -96,25 +96,29 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
                            stderr=subprocess.STDOUT)
         runs = dora_home / "runs"
         wait_for(lambda: runs.is_dir() and any((d / "placement.json").exists() for d in runs.iterdir()), 120,
-                 f"the driver: {(tmp_path / 'driver.log').read_text()[-2000:]}")
+                 lambda: f"the driver: {(tmp_path / 'driver.log').read_text()[-2000:]}")
         rdir = next(d for d in runs.iterdir() if (d / "placement.json").exists())
         run_id = rdir.name
 
+        def state(what: str) -> Any:  # a failed wait says where every role was, what Ray saw, what the driver said
+            return lambda: f"{what}\n{_diagnosis(address, rdir, tmp_path)}"
+
         # 0. the driver killed -9 and resumed with --ray: the new driver adopts the actors Ray kept running
-        wait_for(lambda: steps_done(bootstrap, run_id) >= 1 and set(_placement(rdir)) >= ROLES, 240, "step 1")
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 1 and set(_placement(rdir)) >= ROLES, 240, state("step 1"))
         driver = _resume_driver(lab, driver, address, bootstrap, run_id, rdir, env, tmp_path, out)
         # 1. a role's process killed -9: Ray starts its actor again
         killed = _placement(rdir)["orchestrator"]["pid"]
         os.kill(killed, signal.SIGKILL)
-        wait_for(lambda: _placement(rdir)["orchestrator"]["pid"] != killed, 120, "Ray to restart the orchestrator")
+        wait_for(lambda: _placement(rdir)["orchestrator"]["pid"] != killed, 120,
+                 state("Ray to restart the orchestrator"))
 
         # 2. the trainer's host vanishes
-        wait_for(lambda: steps_done(bootstrap, run_id) >= 3 and _host_of(lab, rdir, "trainer"), 240, "step 3")
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 3 and _host_of(lab, rdir, "trainer"), 240, state("step 3"))
         lost = _host_of(lab, rdir, "trainer")
         lab.lose(lost)
-        wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", lost), 120, "the trainer on another worker")
+        wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", lost), 120, state("the trainer on another worker"))
         t_moved = time.monotonic()
-        wait_for(lambda: steps_done(bootstrap, run_id) >= 6, 240, "step 6 after the trainer moved")
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 6, 240, state("step 6 after the trainer moved"))
         print(f"trainer lost on {lost}, back and 3 steps on in {time.monotonic() - t_moved:.0f}s")
 
         # 3. a rollout host vanishes, a new worker joins, an instance is added and removed
@@ -122,25 +126,29 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         ray_cluster.start_worker(address, lab.ip("w4"), 4, WORKERS["w4"], prefix=lab.prefix("w4"), env=env)
         _scale(lab, address, run_id, 4)
         wait_for(lambda: trajectories_by_instance(bootstrap, run_id).get("rollout-3", 0) > 0, 240,
-                 "the fourth instance's first trajectory")
+                 state("the fourth instance's first trajectory"))
         _scale(lab, address, run_id, 3)
-        wait_for(lambda: steps_done(bootstrap, run_id) >= 11, 240, "step 11")
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 11, 240, state("step 11"))
 
         # 4. the trainer's host is cut off, long enough for Ray to start it elsewhere, then heals
         cut, cut_off = _host_of(lab, rdir, "trainer"), _placement(rdir)["trainer"]["pid"]
         lab.cut(cut)
-        wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", cut), 120, "the trainer started elsewhere")
-        wait_for(lambda: steps_done(bootstrap, run_id) >= 13, 240, "step 13 while the old trainer is cut off")
+        wait_for(lambda: _host_of(lab, rdir, "trainer") not in ("", cut), 120, state("the trainer started elsewhere"))
+        wait_for(lambda: steps_done(bootstrap, run_id) >= 13, 240, state("step 13 while the old trainer is cut off"))
         assert _alive(cut_off), "the cut-off trainer should live on through the partition"
         lab.heal(cut)
         t_heal = time.monotonic()
-        wait_for(lambda: not _alive(cut_off), 120, "the cut-off trainer to end once its link is back")
+        wait_for(lambda: not _alive(cut_off), 120, state("the cut-off trainer to end once its link is back"))
         print(f"the cut-off trainer ended {time.monotonic() - t_heal:.0f}s after its link came back")
         assert driver.wait(timeout=420) == 0, (tmp_path / "driver.log").read_text()[-3000:]
         summary = json.loads(out.read_text())
         assert summary["steps"] == CONFIG["steps"] and summary["restarts"].get("trainer", 0) >= 2, summary["restarts"]
         assert summary["restarts"].get("orchestrator", 0) >= 1, summary["restarts"]
-        _assert_checkpoints_only_on_the_object_store(s3, rdir, run_id)
+        _assert_checkpoints_only_on_the_object_store(s3, rdir, bootstrap, run_id)
+        seeded = [f"{name}: {line}" for name in ("driver.log", "driver-resumed.log")
+                  for line in (tmp_path / name).read_text().splitlines() if "control actor was seeded" in line]
+        assert len(seeded) == 1 and seeded[0].startswith("driver.log"), (  # the first driver seeds it, once
+            f"the control actor restarted (lost its count) or was never seeded: {seeded}")
         assert metric_total(bootstrap, run_id, "orchestrator", "redispatched") > 0, "lost work was not re-dispatched"
         assert "restored at version" in (rdir / "logs" / "trainer.log").read_text()
         report = audit_run(bootstrap, run_id)
@@ -184,15 +192,46 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _assert_checkpoints_only_on_the_object_store(s3: S3Proxy, rdir: Path, run_id: str) -> None:
-    """Every announced checkpoint is on the S3 server under the run's prefix, none on a trainer's disk; what is
-    left is the live versions (older ones pruned), each with its marker."""
+def _assert_checkpoints_only_on_the_object_store(s3: S3Proxy, rdir: Path, bootstrap: str, run_id: str) -> None:
+    """Every checkpoint the trainer announced for a version still live at the end is complete on the S3 server
+    under the run's prefix, none on a trainer's disk; older versions are pruned. An entry without its marker
+    may only be a fenced incarnation's, never one announced: the cut-off trainer, killed while it wrote an
+    entry of its own once its link came back (decision 0069)."""
     assert not (rdir / "trainer-state").exists(), "a checkpoint went to a trainer's disk"
     stored = s3.data / BUCKET / "runs" / run_id / "trainer-state"
     entries = sorted(p.name for p in stored.iterdir())
-    assert {int(e[1:7]) for e in entries} >= {CONFIG["steps"]}, entries
+    complete = {e for e in entries if (stored / e / "COMPLETE").is_file()}
+    first_live = CONFIG["steps"] - CONFIG["max_staleness"]
+    announced = {(int(a.version), str(a.checkpoint_uri).rsplit("/", 1)[1])
+                 for a in _trainer_announcements(bootstrap, run_id)}
+    live = {e for v, e in announced if v >= first_live}
+    assert {v for v, _ in announced if v >= first_live} == set(range(first_live, CONFIG["steps"] + 1)), announced
+    assert live <= complete, f"announced {sorted(live)}, complete {sorted(complete)}"
+    assert not {e for _, e in announced} & (set(entries) - complete), (sorted(announced), entries)
     assert min(int(e[1:7]) for e in entries) >= CONFIG["steps"] - CONFIG["max_staleness"] - 1, entries
-    assert all((stored / e / "COMPLETE").is_file() for e in entries), entries
+
+
+def _trainer_announcements(bootstrap: str, run_id: str) -> list[Any]:
+    """The trainer's committed announcements of the run (first ones on VERSIONS, restored ones on HOLDERS)."""
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import get_run, read_run
+    from dora_rl.schemas.records import PolicyVersion
+
+    found = []
+    for topic in (topics.VERSIONS, topics.HOLDERS):
+        for msg in read_run(bootstrap, get_run(bootstrap, run_id), topic):
+            ann = PolicyVersion.decode(msg.value(), msg.headers())
+            if ann.announced_by == PolicyVersion.TRAINER:
+                found.append(ann)
+    return found
+
+
+def _diagnosis(address: str, rdir: Path, tmp_path: Path) -> str:
+    """Where each role is placed, what Ray says of its nodes, and the drivers' last warnings."""
+    placed = _placement(rdir) if (rdir / "placement.json").exists() else {}
+    said = [line for name in ("driver.log", "driver-resumed.log") if (tmp_path / name).exists()
+            for line in (tmp_path / name).read_text(errors="replace").splitlines() if " WARNING " in line]
+    return "\n".join([f"placement: {placed}", ray_cluster.describe_nodes(address), *said[-15:]])
 
 
 def _assert_one_checksum_per_version(bootstrap: str, run_id: str) -> None:

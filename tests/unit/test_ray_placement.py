@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dora_rl.config import DoraConfig
-from dora_rl.ray_placement import role_resources, scale_plan
+from dora_rl.ray_placement import RunControl, role_resources, scale_plan
 
 
 def test_a_cpu_run_asks_for_no_gpu_and_a_gpu_run_one_per_instance_and_per_trainer_rank() -> None:
@@ -36,6 +36,17 @@ def test_the_config_overrides_a_role_s_resources() -> None:
 ])
 def test_scale_plan(current: list[int], desired: int, limit: int, add: list[int], remove: list[int]) -> None:
     assert scale_plan(current, desired, limit) == (add, remove)
+
+
+def test_a_seed_sets_only_an_unset_count_so_a_restarted_control_actor_never_reverts_a_scale() -> None:
+    control = RunControl()  # what Ray builds at the start and again at every restart: no count
+    assert control.instances() is None
+    assert control.seed(3) == 3
+    assert control.seed(5) == 3  # a second driver's seed changes nothing
+    assert control.set_instances(4) == 4  # `dora-rl scale`
+    assert control.seed(3) == 4 and control.instances() == 4
+    restarted = RunControl()
+    assert restarted.seed(4) == 4  # the driver seeds it with the instances Ray holds, not the config's count
 
 
 def test_a_role_started_through_the_trampoline_dies_with_its_parent(tmp_path) -> None:  # type: ignore[no-untyped-def]
