@@ -7,14 +7,16 @@ change is charged as a KV move, as DORA's same-version moves are) is the **ceili
 same dispatch, feasibility and planning rules: DORA with a perfect re-partition, and DORA with a second resident
 version at no memory or step-time cost.
 
-For each scale, on the reported seeds 3-5 of ``bench/scheduler.py``'s protocol, the settings its committed results
-chose (``CHOSEN``): DORA, the bounded partial, and the bounded partial at the ceiling. Reported: DORA / partial,
-ceiling / partial, DORA / ceiling, each with the paired 95% interval over the seeds. The same for
-``bench/modes``' 2-instance workload, simulated on its committed reported runs (``modes_ceiling``).
+For each scale, on the reported seeds (3-5 of ``bench/scheduler.py``'s protocol, or ``--report-seeds``), the
+settings its committed results chose on seeds 0-2 (``CHOSEN``): DORA, the bounded partial, and the bounded partial
+at the ceiling. Reported: DORA / partial, ceiling / partial, DORA / ceiling, each with the paired 95% interval over
+the seeds. The same for ``bench/modes``' 2-instance workload, simulated on a committed result's reported runs
+(``modes_ceiling``).
 
 Usage::
 
     python bench/c1_ceiling.py          # ~80 s on 2 cores -> bench/results/c1-ceiling-<time>.json + .png
+    python bench/c1_ceiling.py --report-seeds 6 7 8 9 10 11 --modes-result modes-20261128-154409.json
 """
 
 from __future__ import annotations
@@ -58,13 +60,13 @@ def check_chosen(gpus: int) -> None:
             raise SystemExit(f"{name} chose {modes[label]['setting']!r} for {label}, not {st.name!r}")
 
 
-def measure(gpus: int, w: Workload, eff: Efficiencies) -> dict[str, Any]:
+def measure(gpus: int, w: Workload, eff: Efficiencies, seeds: tuple[int, ...]) -> dict[str, Any]:
     _, dora, partial = CHOSEN[gpus]
     settings = {"dora": dora, "partial": partial, "ceiling": replace(partial, kv_across_versions=True)}
-    runs = run_many([(st, w, eff, s) for st in settings.values() for s in REPORT], workers=2)
+    runs = run_many([(st, w, eff, s) for st in settings.values() for s in seeds], workers=2)
     out: dict[str, Any] = {"modes": {}}
     for k, (label, st) in enumerate(settings.items()):
-        mine = runs[k * len(REPORT):(k + 1) * len(REPORT)]
+        mine = runs[k * len(seeds):(k + 1) * len(seeds)]
         out["modes"][label] = {"setting": st.name, "throughput": [r["throughput"] for r in mine],
                                "throughput_mean": statistics.fmean(r["throughput"] for r in mine),
                                "re_prefill_share": statistics.fmean(r["gpu_time_share"]["re_prefill"] for r in mine),
@@ -123,7 +125,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax.set_xticks([i * 4 + 1 for i in range(len(out["gpus"]))], [f"{g} GPUs" for g in out["gpus"]])
     ax.set_ylim(0.9, 1.06)
     ax.axhline(1.0, color="k", lw=0.5)
-    ax.set_ylabel("trained tokens/s / bounded partial (seeds 3-5)")
+    seeds = out["report_seeds"]
+    ax.set_ylabel(f"trained tokens/s / bounded partial (seeds {seeds[0]}-{seeds[-1]})")
     ax.set_title("C1's ceiling: partial held to S = 2 without its re-prefill")
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -136,14 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the ceiling of a C1 scheduler against partial rollout (module docstring)")
     ap.add_argument("--gpus", type=int, nargs="+", default=[64, 128], choices=sorted(CHOSEN))
     ap.add_argument("--modes-result", default=MODES, help="bench/modes result whose reported runs to simulate")
+    ap.add_argument("--report-seeds", type=int, nargs="+", default=list(REPORT),
+                    help="seeds to report (settings stay those chosen on seeds 0-2); default 3 4 5")
     args = ap.parse_args(argv)
+    seeds = tuple(args.report_seeds)
     t0 = time.time()
     w, eff = Workload(), replace(Efficiencies(), train_mfu=MFU)
     out: dict[str, Any] = {**provenance(), "engine": "simulated (hardware_costs: H800, Qwen2.5-32B)",
-                           "staleness": S, "train_mfu": MFU, "report_seeds": REPORT, "gpus": args.gpus, "results": {}}
+                           "staleness": S, "train_mfu": MFU, "report_seeds": seeds, "gpus": args.gpus, "results": {}}
     for gpus in args.gpus:
         check_chosen(gpus)
-        out["results"][str(gpus)] = {"chosen_by": CHOSEN[gpus][0], **measure(gpus, w, eff)}
+        out["results"][str(gpus)] = {"chosen_by": CHOSEN[gpus][0], **measure(gpus, w, eff, seeds)}
         r = out["results"][str(gpus)]["ratios"]
         print(f"{gpus} GPUs: " + ", ".join(f"{k} {v['mean']:.3f} [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                                            for k, v in r.items()), flush=True)
