@@ -314,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap-servers", default=None, help="use this cluster instead of a fresh local broker")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    earlier = json.loads(Path(args.chosen_from).read_text()) if args.chosen_from else {}
+    chosen_before = earlier.get("best", {})
+    if earlier and (missing := [m for m in args.modes.split(",") if m not in chosen_before]):
+        ap.error(f"--chosen-from {args.chosen_from} chose no setting for {', '.join(missing)} "
+                 f"(it has {', '.join(sorted(chosen_before)) or 'none'}): pass --modes with those only")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from provenance import provenance, write_result
@@ -349,8 +354,6 @@ def main(argv: list[str] | None = None) -> int:
               f"audit {'PASS' if fig['audit_ok'] else 'FAIL'}", file=sys.stderr, flush=True)
         return fig
 
-    earlier = json.loads(Path(args.chosen_from).read_text()) if args.chosen_from else {}
-    chosen_before = earlier.get("best", {})
     if earlier:  # the choice was made there, on its choosing seeds
         result["chosen_from"], result["choose_seeds"] = Path(args.chosen_from).name, earlier["choose_seeds"]
 
