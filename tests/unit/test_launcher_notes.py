@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dora_rl import launcher
+from dora_rl import launcher, run_progress
 
 
 @dataclass
@@ -50,7 +50,7 @@ def test_only_a_done_signed_with_the_trainers_key_ends_the_run() -> None:
 
     done = Metric(run_id="r", component="trainer", name="done", value=12.0, ts_ms=0)
     for forged in (done, signed(done, "another run's token"), signed(done, "this run's weight token")):
-        progress = launcher.Progress(steps=12, token="the trainer's key")
+        progress = run_progress.Progress(steps=12, token="the trainer's key")
         progress.observe(forged)
         assert not progress.done
     progress.observe(signed(done, "the trainer's key"))
