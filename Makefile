@@ -52,7 +52,8 @@ setup-prometheus:
 # Kafka, timeouts and restarts more than they compute: one worker kept the 2 cores ~38% busy; each worker starts
 # its own broker, and a file's tests share its runs), then the unit tier on two workers; each prints its
 # durations and the CI budget, and both run even when the first fails (decision 0072). Then the vLLM engine's
-# test in its own venv (the main venv's pytest skips it: vllm is not installed there). `make test ARGS=...` runs pytest once with those arguments instead.
+# test in its own venv (the main venv's pytest skips it: vllm is not installed there). `make test ARGS=...` runs
+# pytest once with those arguments instead.
 test: setup lint setup-browser setup-prometheus
 ifeq ($(strip $(ARGS)),)
 	rc=0; $(BIN)/python -m pytest -ra -n 2 --dist loadfile tests/integration || rc=$$?; \

@@ -57,15 +57,26 @@ def stop(prefix: Sequence[str] = ()) -> None:
     subprocess.run([*prefix, RAY, "stop", "--force"], capture_output=True, timeout=120)
 
 
+def _nodes(address: str) -> list[tuple[str, bool]]:
+    """Each node of the cluster at ``address`` (its address, whether Ray counts it alive), asked from a fresh
+    process (a test process stays out of Ray)."""
+    code = ("import json,ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+            "print(json.dumps([[n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()]))")
+    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip()[-500:] or f"exit {out.returncode}")
+    return [(str(ip), bool(alive)) for ip, alive in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
 def alive_nodes(address: str, expect: int, timeout: float = 60.0) -> None:
     """Wait until the cluster at ``address`` counts ``expect`` alive nodes."""
-    code = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-            "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline = time.monotonic() + timeout
     seen = ""
     while time.monotonic() < deadline:
-        out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
-        seen = out.stdout.strip()
+        try:
+            seen = str(sum(alive for _, alive in _nodes(address)))
+        except (RuntimeError, ValueError) as exc:  # not up yet: asked again
+            seen = f"no answer ({exc})"
         if seen == str(expect):
             return
         time.sleep(1)
@@ -75,11 +86,7 @@ def alive_nodes(address: str, expect: int, timeout: float = 60.0) -> None:
 def describe_nodes(address: str) -> str:
     """One line per node of the cluster at ``address`` (its address and whether Ray counts it alive), for a
     failing test's message; what went wrong asking, if that failed."""
-    code = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-            "print('; '.join(f\"{n['NodeManagerAddress']} {'alive' if n['Alive'] else 'dead'}\" for n in ray.nodes()))")
     try:
-        out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return "Ray's nodes: no answer within 60 s"
-    return f"Ray's nodes: {out.stdout.strip() or out.stderr.strip()[-500:]}"
-
+        return "Ray's nodes: " + "; ".join(f"{ip} {'alive' if alive else 'dead'}" for ip, alive in _nodes(address))
+    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+        return f"Ray's nodes: no answer ({exc})"

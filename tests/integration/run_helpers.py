@@ -50,6 +50,18 @@ def wait_for(cond: Any, timeout: float, what: str | Callable[[], str]) -> None:
         time.sleep(0.5)
 
 
+def announcements(bootstrap: str, run_id: str) -> list[Any]:
+    """Every committed announcement of the run: the trainer's first ones on VERSIONS, then every holder's
+    (the trainer's after a restore, the instances') on HOLDERS, each decoded as a ``PolicyVersion``."""
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import get_run, read_run
+    from dora_rl.schemas.records import PolicyVersion
+
+    info = get_run(bootstrap, run_id)
+    return [PolicyVersion.decode(m.value(), m.headers()) for topic in (topics.VERSIONS, topics.HOLDERS)
+            for m in read_run(bootstrap, info, topic)]
+
+
 def emulated_run(**overrides: Any) -> dict[str, Any]:
     """A small dora-mode run config on the emulated engine (2 instances, TBS 16, G 4), with overrides;
     ``emulated`` overrides are merged into the engine's parameters."""

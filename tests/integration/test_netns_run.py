@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 from hostile import Attack
 from multihost import STREAM_ROLES, claimed_indices, create_run, netlab, role_argv, run_state, stop
-from run_helpers import wait_for
+from run_helpers import announcements, wait_for
 
 pytestmark = pytest.mark.broker
 ROLES = ("dataset", "orchestrator", "rollout", "scorer", "assembler", "trainer")
@@ -116,21 +116,16 @@ def run_across_namespaces(lab: Any, bootstrap: str, tmp_path: Path, dora_home: P
 def check_run(lab: Any, bootstrap: str, run_id: str, logs: Path, route: str) -> list[str]:
     """Audit, holders, routes; returns the fetch lines of the rollout logs."""
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.infra.kafka.signing import signature_problem
     from dora_rl.roles import run_token
-    from dora_rl.schemas.records import PolicyVersion
 
     token = run_token(run_id)  # as the run's readers read: announcements not signed with it are passed by
     report = audit_run(bootstrap, run_id, token)
     assert report.verdict == "PASS", report.render()
     assert report.c2_missing == 0
     assert sorted(claimed_indices(bootstrap, run_id).values()) == [0, 1]
-    info = get_run(bootstrap, run_id)
-    announcements = [PolicyVersion.decode(m.value(), m.headers()) for topic in (topics.VERSIONS, topics.HOLDERS)
-                     for m in read_run(bootstrap, info, topic)]  # the trainer's, the holders'
-    holders = {h for a in announcements if signature_problem(a, token, "announcement") is None for h in a.holders}
+    holders = {h for a in announcements(bootstrap, run_id)  # the trainer's, the holders'
+               if signature_problem(a, token, "announcement") is None for h in a.holders}
     lab_ips = {lab.ip(h) for h in ("trainer", "rollout-a", "rollout-b")}
     assert holders and {h.rsplit(":", 1)[0] for h in holders} <= lab_ips, f"holders {holders} not in {lab_ips}"
     fetches = []

@@ -35,7 +35,14 @@ from typing import Any
 import pytest
 import ray_cluster
 from multihost import netlab
-from run_helpers import emulated_run, metric_total, steps_done, trajectories_by_instance, wait_for
+from run_helpers import (
+    announcements,
+    emulated_run,
+    metric_total,
+    steps_done,
+    trajectories_by_instance,
+    wait_for,
+)
 from s3proxy import S3Proxy, ensure_s3proxy
 
 pytestmark = pytest.mark.broker
@@ -144,7 +151,8 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         summary = json.loads(out.read_text())
         assert summary["steps"] == CONFIG["steps"] and summary["restarts"].get("trainer", 0) >= 2, summary["restarts"]
         assert summary["restarts"].get("orchestrator", 0) >= 1, summary["restarts"]
-        _assert_checkpoints_only_on_the_object_store(s3, rdir, bootstrap, run_id)
+        anns = announcements(bootstrap, run_id)
+        _assert_checkpoints_only_on_the_object_store(s3, rdir, run_id, anns)
         seeded = [f"{name}: {line}" for name in ("driver.log", "driver-resumed.log")
                   for line in (tmp_path / name).read_text().splitlines() if "control actor was seeded" in line]
         assert len(seeded) == 1 and seeded[0].startswith("driver.log"), (  # the first driver seeds it, once
@@ -153,7 +161,7 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         assert "restored at version" in (rdir / "logs" / "trainer.log").read_text()
         report = audit_run(bootstrap, run_id)
         assert report.verdict == "PASS" and report.v_checksum_conflicts == 0, report.render()
-        _assert_one_checksum_per_version(bootstrap, run_id)
+        _assert_one_checksum_per_version(run_id, anns)
     finally:
         if driver is not None and driver.poll() is None:
             driver.kill()
@@ -192,7 +200,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _assert_checkpoints_only_on_the_object_store(s3: S3Proxy, rdir: Path, bootstrap: str, run_id: str) -> None:
+def _assert_checkpoints_only_on_the_object_store(s3: S3Proxy, rdir: Path, run_id: str, anns: list[Any]) -> None:
     """Every checkpoint the trainer announced for a version still live at the end is complete on the S3 server
     under the run's prefix, none on a trainer's disk; older versions are pruned. An entry without its marker
     may only be a fenced incarnation's, never one announced: the cut-off trainer, killed while it wrote an
@@ -203,27 +211,12 @@ def _assert_checkpoints_only_on_the_object_store(s3: S3Proxy, rdir: Path, bootst
     complete = {e for e in entries if (stored / e / "COMPLETE").is_file()}
     first_live = CONFIG["steps"] - CONFIG["max_staleness"]
     announced = {(int(a.version), str(a.checkpoint_uri).rsplit("/", 1)[1])
-                 for a in _trainer_announcements(bootstrap, run_id)}
+                 for a in anns if a.announced_by == a.TRAINER}
     live = {e for v, e in announced if v >= first_live}
     assert {v for v, _ in announced if v >= first_live} == set(range(first_live, CONFIG["steps"] + 1)), announced
     assert live <= complete, f"announced {sorted(live)}, complete {sorted(complete)}"
     assert not {e for _, e in announced} & (set(entries) - complete), (sorted(announced), entries)
     assert min(int(e[1:7]) for e in entries) >= CONFIG["steps"] - CONFIG["max_staleness"] - 1, entries
-
-
-def _trainer_announcements(bootstrap: str, run_id: str) -> list[Any]:
-    """The trainer's committed announcements of the run (first ones on VERSIONS, restored ones on HOLDERS)."""
-    from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.runs import get_run, read_run
-    from dora_rl.schemas.records import PolicyVersion
-
-    found = []
-    for topic in (topics.VERSIONS, topics.HOLDERS):
-        for msg in read_run(bootstrap, get_run(bootstrap, run_id), topic):
-            ann = PolicyVersion.decode(msg.value(), msg.headers())
-            if ann.announced_by == PolicyVersion.TRAINER:
-                found.append(ann)
-    return found
 
 
 def _diagnosis(address: str, rdir: Path, tmp_path: Path) -> str:
@@ -234,17 +227,11 @@ def _diagnosis(address: str, rdir: Path, tmp_path: Path) -> str:
     return "\n".join([f"placement: {placed}", ray_cluster.describe_nodes(address), *said[-15:]])
 
 
-def _assert_one_checksum_per_version(bootstrap: str, run_id: str) -> None:
-    from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.runs import get_run, read_run
-    from dora_rl.schemas.records import PolicyVersion
-
+def _assert_one_checksum_per_version(run_id: str, anns: list[Any]) -> None:
     sums: dict[int, set[tuple[int, ...]]] = {}
-    for topic in (topics.VERSIONS, topics.HOLDERS):
-        for msg in read_run(bootstrap, get_run(bootstrap, run_id), topic):
-            ann = PolicyVersion.decode(msg.value(), msg.headers())
-            if ann.announced_by == PolicyVersion.TRAINER:
-                assert str(ann.checkpoint_uri).startswith(f"s3://{BUCKET}/runs/{run_id}/trainer-state/"), ann
-            sums.setdefault(int(ann.version), set()).add(tuple(b.checksum for b in ann.buckets))
+    for ann in anns:
+        if ann.announced_by == ann.TRAINER:
+            assert str(ann.checkpoint_uri).startswith(f"s3://{BUCKET}/runs/{run_id}/trainer-state/"), ann
+        sums.setdefault(int(ann.version), set()).add(tuple(b.checksum for b in ann.buckets))
     assert sorted(sums) == list(range(CONFIG["steps"] + 1)), sorted(sums)
     assert all(len(s) == 1 for s in sums.values()), {v: len(s) for v, s in sums.items() if len(s) > 1}
