@@ -98,6 +98,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "levelling_off": {"consolidate_level": False},
     "pack_due": {"consolidate_unpack_due": False},
     "due_kept": {"consolidate_free_empty_due": False},
+    "pack_avg": {"consolidate_pack_at_cap": False},  # old versions packed at the average busy context
 }
 """Each ``consolidate`` rule switched off in turn (``--ablate``), as ``bench/scheduler.py`` does."""
 

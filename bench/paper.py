@@ -117,7 +117,7 @@ class Setting:
     ablate: str = ""
     """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
     again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``pack_due``, ``due_kept``,
-    ``kv_admission_on``; empty: none."""
+    ``kv_admission_on``, ``pack_avg`` (old versions packed at the average busy context, not at the cap); empty: none."""
 
     @property
     def name(self) -> str:
@@ -158,6 +158,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     ablation = {"kv_slots_off": {"instance_kv_tokens": 0}, "levelling_off": {"consolidate_level": False},
                 "pack_due": {"consolidate_unpack_due": False},
                 "due_kept": {"consolidate_free_empty_due": False},
+                "pack_avg": {"consolidate_pack_at_cap": False},
                 "kv_admission_on": {"consolidate_kv_admission": True}}.get(setting.ablate, {})
     n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group

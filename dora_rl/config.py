@@ -260,6 +260,11 @@ class DoraConfig:
     in flight and level each version's work over its instances (KV moves; ``streams/kv_room.py``). Off:
     old versions stay packed (an ablation switch)."""
 
+    consolidate_pack_at_cap: bool = True
+    """``consolidate``: an old version's stragglers are packed as if each runs to ``max_new_tokens``
+    (``streams/kv_room.py``: no packed instance runs out of KV or slows its step past a full one's). Off: they are
+    packed at the average busy context (an ablation switch)."""
+
     consolidate_kv_admission: bool = False
     """``consolidate``: give an instance no more requests than its KV room fits (``streams/kv_room.py``);
     off: up to ``instance_concurrency``, the engine's own KV admission queueing the rest (measured ahead on

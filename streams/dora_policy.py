@@ -135,6 +135,8 @@ class DoraScheduler(Generic[P]):
         self.free_empty_due = config.consolidate_free_empty_due
         self.kv_admission = config.consolidate_kv_admission
         self.level = config.consolidate_level
+        self.pack_at_cap = config.consolidate_pack_at_cap
+        self.max_new_tokens = config.max_new_tokens
         self.slots = self.capacity  # requests one instance is given (``kv_slots`` with ``kv_admission``)
         # (latest, quotas, instances' epoch, slots) as the last re-partition left them: the same again decides nothing
         self._unchanged: tuple[int, dict[int, int], int, int] | None = None

@@ -15,7 +15,7 @@ from dora_rl.config import DoraConfig
 
 from .dora_policy import DoraScheduler
 from .dora_state import LOST
-from .kv_room import consolidated_quotas, excess, keep_order, kv_slots
+from .kv_room import consolidated_quotas, excess, keep_order, kv_slots, straggler_slots
 from .repartition import assign, drain_moves, quotas
 from .scheduling_events import Cancel
 
@@ -125,8 +125,9 @@ def _levelled(s: DoraScheduler[Any]) -> list[Cancel]:
 
 
 def _consolidated(s: DoraScheduler[Any], n_live: int) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
-    """``consolidate``: the slots per instance from KV room (what packing counts; what an instance is
-    given only with ``kv_admission``), each version's quota by what its in-flight work needs, and its
+    """``consolidate``: the slots per instance from KV room (what an instance is given only with
+    ``kv_admission``), each version's quota by what its in-flight work needs counted at the cap
+    (:func:`~.kv_room.straggler_slots`; at the busy context without ``pack_at_cap``), and its
     holders in the order :func:`assign` keeps them (least loaded freed first); see :mod:`.kv_room`."""
     need_slots = kv_slots(s.kv_tokens, s.lengths, s.capacity)
     slots = need_slots if s.kv_admission else s.capacity
@@ -141,7 +142,8 @@ def _consolidated(s: DoraScheduler[Any], n_live: int) -> tuple[dict[int, int], d
     due = latest - s.bound.max_staleness if s.unpack_due else -1  # trained at the next step
     loaded = ({v: len(h) - counts.idle.get(v, 0) for v, h in counts.members.items() if 0 <= v <= due}
               if s.free_empty_due else None)  # holders decoding its work, from the counts: O(versions)
-    quota = consolidated_quotas(in_flight, held, latest, n_live, need_slots, due=due, loaded=loaded)
+    pack = straggler_slots(s.kv_tokens, s.lengths, s.max_new_tokens, need_slots) if s.pack_at_cap else need_slots
+    quota = consolidated_quotas(in_flight, held, latest, n_live, pack, due=due, loaded=loaded)
     members: dict[int, Sequence[int]] = dict(counts.members)
     for v, holders in counts.members.items():
         if v >= 0 and quota.get(v, 0) < len(holders):

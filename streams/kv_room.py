@@ -23,9 +23,20 @@ in proportion to its in-flight work (:func:`~dora_rl.streams.repartition.quotas`
 work is levelled over its instances (:func:`excess`): a straggler decodes faster on an emptier instance,
 and a KV move costs milliseconds.
 
+**Stragglers at the cap** (:func:`straggler_slots`). An old version's in-flight work is what is left of
+it once its short requests are done: its long tail, whose context keeps growing towards the cap ``M``
+(``max_new_tokens``) while it is the next batches' critical path. So packing counts each of them at the
+cap, not at the average busy context::
+
+    straggler_slots = clamp(floor(kv_tokens / (E[P] + M)), 1, slots)
+
+A packed instance then never runs out of KV (nothing is preempted), and its decode step, which grows with
+the context it reads, stays no slower than a full instance's. Off (``consolidate_pack_at_cap = False``):
+packing counts ``slots``, and a version's last ~2% of cap-length requests could share one instance.
+
 **Consolidation** (:func:`consolidated_quotas`). An old version (``v < latest``) keeps as many instances
-as its in-flight trajectories need slots, ``ceil(in_flight / slots)``, never more than it holds (at
-least one while it has work but holds none: its instances were lost); it gives one up only when the
+as its in-flight trajectories need slots (:func:`straggler_slots`), ``ceil(in_flight / slots)``, never more
+than it holds (at least one while it has work but holds none: its instances were lost); it gives one up only when the
 rest would stay below ``1 - hysteresis`` full. Oldest versions are served first (their work is due
 first); the newest version gets every other instance — there is no one-instance floor for anyone. The
 instances a version gives up are its least loaded (:func:`keep_order`), and their trajectories move,
@@ -74,6 +85,15 @@ def kv_slots(kv_tokens: int, moments: LengthMoments, max_num_seqs: int) -> int:
     if kv_tokens <= 0 or ctx is None:
         return max_num_seqs
     return max(1, min(max_num_seqs, int(kv_tokens / ctx)))
+
+
+def straggler_slots(kv_tokens: int, moments: LengthMoments, max_new_tokens: int, slots: int) -> int:
+    """Requests of an old version packed onto one instance, each counted at the cap (module docstring);
+    ``slots`` while the KV size is unknown."""
+    if kv_tokens <= 0:
+        return slots
+    prompt = moments.prompt_sum / moments.count if moments.count else 0.0
+    return max(1, min(slots, int(kv_tokens / (prompt + max_new_tokens))))
 
 
 def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], latest: int, n: int,

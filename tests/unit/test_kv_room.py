@@ -18,6 +18,7 @@ from dora_rl.streams.kv_room import (
     excess,
     keep_order,
     kv_slots,
+    straggler_slots,
 )
 from dora_rl.streams.scheduling_events import Completed, PromptQueued, VersionSeen
 from dora_rl.streams.simulator import simulate
@@ -139,7 +140,8 @@ def _cfg(s: int, rbs: int, **over: object) -> DoraConfig:
 @pytest.mark.parametrize(("s", "rbs", "over"), [(1, 64, {}), (2, 96, {"instance_kv_tokens": 1500}),
                                                 (2, 96, {"consolidate_level": False}),
                                                 (2, 128, {"consolidate_unpack_due": False, "instance_kv_tokens": 900}),
-                                (2, 96, {"consolidate_kv_admission": True, "instance_kv_tokens": 900})])
+                                (2, 96, {"consolidate_kv_admission": True, "instance_kv_tokens": 900}),
+                                (2, 96, {"consolidate_pack_at_cap": False, "instance_kv_tokens": 1500})])
 def test_invariants_hold_under_consolidation(s: int, rbs: int, over: dict[str, object], seed: int) -> None:
     params = EmulatedParams(time_scale=0.0, seed=seed, cap_fraction=0.05 + 0.05 * seed, kv_capacity_tokens=3000,
                             kv_move_s_per_token=1e-6)
@@ -159,3 +161,34 @@ def test_consolidation_moves_work_with_its_kv_and_keeps_c1() -> None:
         assert r.mixed_version_trajectories == 0 and r.refused == 0
         moved, kv_s = moved + r.migrations, kv_s + r.lost.kv_move_s
     assert moved > 0 and kv_s > 0, "nothing was moved: the test checks no move"
+
+
+def test_stragglers_are_packed_as_if_each_runs_to_the_cap() -> None:
+    m = LengthMoments()
+    assert straggler_slots(1_000_000, m, 30_000, 256) == 33  # no prompt seen yet: the cap alone
+    for _ in range(4):
+        m.add(200, 1000)
+    assert straggler_slots(1_830_000, m, 30_000, 256) == 60  # 1.83M / (200 + 30k)
+    assert straggler_slots(1_830_000, m, 30_000, 40) == 40  # never more than the slots
+    assert straggler_slots(10_000, m, 30_000, 256) == 1  # never 0
+    assert straggler_slots(0, m, 30_000, 256) == 256  # KV size unknown: the slots
+
+
+@pytest.mark.parametrize("at_cap", [True, False])
+def test_an_old_version_keeps_the_instances_its_stragglers_need_at_the_cap(at_cap: bool) -> None:
+    """64 of version 0's 96 requests still decode when version 1 arrives. Counted at the cap (2,000 KV tokens over
+    10 + 100 tokens: 18 a instance) they keep 4 of the 6 instances they hold; counted at the busy context
+    (10 + 20 / 2 = 20 tokens: 100 of KV room, so the engine's 24) 3 would do, and they are packed onto 3."""
+    cfg = _cfg(2, 96, num_instances=6, instance_kv_tokens=2_000, max_new_tokens=100, consolidate_level=False,
+               consolidate_pack_at_cap=at_cap)
+    s: DoraScheduler[str] = dora_scheduler(cfg)
+    for g in range(40):
+        s.handle(PromptQueued(f"g{g}", "p"))
+    s.handle(VersionSeen(0, 0.0))
+    tids = [d.trajectory_id for d in s.decide().dispatches]
+    assert len(tids) == 96 and s.state.instance_version.count(0) == 6
+    for t in tids[:MIN_SAMPLES]:
+        s.handle(Completed(t, 10, 20))
+    s.handle(VersionSeen(1, 1.0))
+    assert s.in_flight(0) == 64
+    assert s.state.instance_version.count(0) == (4 if at_cap else 3)
