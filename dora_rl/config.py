@@ -246,9 +246,8 @@ class DoraConfig:
     of their version, and it switches at once. ``drain``: it gets no new work of its version and
     switches when its last trajectory completes (nothing is cancelled); the newest version then queues
     at most ``capacity + G`` per instance and an older version due at the next step gets no back-fill
-    (decision 0029: on the paper-shaped workload, migration into full instances made the trainer wait).
-    ``drain`` is the default since decision 0033: it was measured ahead on every workload tried (``bench/modes``
-    +7-9%, the paper's setup at 64 and 128 GPUs) and ``migrate`` collapses at 512+ GPUs (0.53x sync)."""
+    (decision 0029). ``consolidate``: old versions' work is packed with its KV onto as few instances as it needs
+    (``streams/kv_room.py``). Why ``drain`` is the default: decision 0033."""
 
     instance_kv_tokens: int = 0
     """KV cache of one rollout instance, in tokens (0: unknown). With ``repartition_policy = "consolidate"``
@@ -267,8 +266,7 @@ class DoraConfig:
 
     consolidate_kv_admission: bool = False
     """``consolidate``: give an instance no more requests than its KV room fits (``streams/kv_room.py``);
-    off: up to ``instance_concurrency``, the engine's own KV admission queueing the rest (measured ahead on
-    the paper setup, decision 0048)."""
+    off: up to ``instance_concurrency``, the engine's own KV admission queueing the rest (decision 0048)."""
 
     consolidate_unpack_due: bool = True
     """``consolidate``: a version trained at the next step keeps its instances (its stragglers are not
