@@ -16,8 +16,9 @@ choice also runs with its KV cache kept through training (``keeps_kv``, an upper
 frees it, as verl and Kimi do). Then the chosen
 settings run on seeds 3-5, and DORA's ``consolidate`` choice with each rule switched in turn: KV moves off (the
 engine re-prefills), KV-aware packing off (``instance_kv_tokens = 0``: packing counts the engine's slots),
-levelling off, the due version packed, the due version keeping its empty instances, KV-capped admission on (off by
-default, decision 0048), and old versions packed at the average busy context rather than at the cap (decision 0074).
+levelling off, the due version not packed (freeing its empty instances, as before decision 0074), KV-capped
+admission on (off by default, decision 0048), and old versions packed at the average busy context rather than at
+the cap (decision 0074).
 The DORA / partial ratio's interval is a paired bootstrap over the reported seeds (ratio of means,
 seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost parameters as frozen in
 ``dora_rl/core/hardware_costs.py`` plus the KV move's cost (bytes over the network).
@@ -49,7 +50,7 @@ S, MFU = 2, 0.40
 CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
 COLOCATED_RBS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 """The colocated partial's over-provisioning sweep (with 4 ``max_num_seqs``: 24 settings a TP, as the others)."""
-ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "pack_due", "due_kept",
+ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "unpack_due",
              "kv_admission_on", "pack_avg")
 
 

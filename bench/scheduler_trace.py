@@ -15,7 +15,7 @@ each tick; nothing in the run's behaviour changes.
 
 Usage::
 
-    python bench/scheduler_trace.py --gpus 128 --compare --seeds 0 1 2 --ablate due_kept
+    python bench/scheduler_trace.py --gpus 128 --compare --seeds 0 1 2 --ablate unpack_due
     python bench/scheduler_trace.py --gpus 128 --trace 3000 3730 --every 15
 """
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=128, choices=(64, 128))
     ap.add_argument("--compare", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--ablate", nargs="*", default=["due_kept"], help="rules switched off in turn (bench/paper.py)")
+    ap.add_argument("--ablate", nargs="*", default=["unpack_due"], help="rules switched off in turn (bench/paper.py)")
     ap.add_argument("--trace", type=float, nargs=2, metavar=("T0", "T1"))
     ap.add_argument("--every", type=float, default=15.0)
     args = ap.parse_args(argv)

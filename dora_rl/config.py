@@ -268,13 +268,14 @@ class DoraConfig:
     """``consolidate``: give an instance no more requests than its KV room fits (``streams/kv_room.py``);
     off: up to ``instance_concurrency``, the engine's own KV admission queueing the rest (decision 0048)."""
 
-    consolidate_unpack_due: bool = True
-    """``consolidate``: a version trained at the next step keeps its instances (its stragglers are not
-    packed). Off: it is packed like any old version (an ablation switch)."""
+    consolidate_unpack_due: bool = False
+    """``consolidate``: on, a version trained at the next step keeps the instances decoding its work (its
+    stragglers are not packed). Off: it is packed like any old version, at the cap (decision 0074; an ablation
+    switch)."""
 
     consolidate_free_empty_due: bool = True
-    """``consolidate``: an instance of the version due at the next step that has no work left is freed at
-    once (decision 0064). Off: the due version keeps every instance it holds (an ablation switch)."""
+    """``consolidate`` with ``consolidate_unpack_due``: an instance of the version due at the next step that has no
+    work left is freed at once (decision 0064). Off: the due version keeps every instance it holds."""
 
     heartbeat_s: float = 1.0
     """Interval of instance heartbeats on ``dora.instances``."""

@@ -40,8 +40,9 @@ than it holds (at least one while it has work but holds none: its instances were
 rest would stay below ``1 - hysteresis`` full. Oldest versions are served first (their work is due
 first); the newest version gets every other instance — there is no one-instance floor for anyone. The
 instances a version gives up are its least loaded (:func:`keep_order`), and their trajectories move,
-with their KV, to the version's other instances. The version due at the next step is not packed (its
-stragglers are the batch's critical path), but an instance of it left with no work is freed at once.
+with their KV, to the version's other instances. The version due at the next step is packed like the others:
+counted at the cap, its stragglers are not slowed. (With ``consolidate_unpack_due``, the rule before decision
+0074, it is not packed, and an instance of it left with no work is freed at once.)
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def test_a_due_version_gives_up_the_instances_it_left_empty() -> None:
 
 @pytest.mark.parametrize("free_empty", [True, False])
 def test_the_scheduler_frees_an_empty_instance_of_the_due_version(free_empty: bool) -> None:
-    s: DoraScheduler[str] = dora_scheduler(_cfg(2, 64, consolidate_level=False,
+    s: DoraScheduler[str] = dora_scheduler(_cfg(2, 64, consolidate_level=False, consolidate_unpack_due=True,
                                                consolidate_free_empty_due=free_empty))
     for g in range(40):
         s.handle(PromptQueued(f"g{g}", "p"))
@@ -139,7 +139,7 @@ def _cfg(s: int, rbs: int, **over: object) -> DoraConfig:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(("s", "rbs", "over"), [(1, 64, {}), (2, 96, {"instance_kv_tokens": 1500}),
                                                 (2, 96, {"consolidate_level": False}),
-                                                (2, 128, {"consolidate_unpack_due": False, "instance_kv_tokens": 900}),
+                                                (2, 128, {"consolidate_unpack_due": True, "instance_kv_tokens": 900}),
                                 (2, 96, {"consolidate_kv_admission": True, "instance_kv_tokens": 900}),
                                 (2, 96, {"consolidate_pack_at_cap": False, "instance_kv_tokens": 1500})])
 def test_invariants_hold_under_consolidation(s: int, rbs: int, over: dict[str, object], seed: int) -> None:
