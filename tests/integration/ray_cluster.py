@@ -57,6 +57,25 @@ def stop(prefix: Sequence[str] = ()) -> None:
     subprocess.run([*prefix, RAY, "stop", "--force"], capture_output=True, timeout=120)
 
 
+ACTORS = ("import json,ray,sys; from ray._private import state; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+          "print(json.dumps([[a['Name'], a['State'], a['Address']['IPAddress'], a['NumRestarts']] "
+          "for a in state.actors().values() if a['Name']]))")
+"""Each named actor's state, node and restart count, from Ray's control store (no dashboard needed)."""
+
+
+def describe_actors(address: str) -> str:
+    """One entry per named actor of the cluster at ``address`` (name, state, node, restarts), for a failing test's
+    message; what went wrong asking, if that failed."""
+    try:
+        out = subprocess.run([sys.executable, "-c", ACTORS, address], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            return f"Ray's actors: no answer ({out.stderr.strip()[-300:]})"
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        return "Ray's actors: " + "; ".join(f"{n} {s} on {ip or '-'} ({r} restarts)" for n, s, ip, r in rows)
+    except (ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        return f"Ray's actors: no answer ({exc})"
+
+
 def _nodes(address: str) -> list[tuple[str, bool]]:
     """Each node of the cluster at ``address`` (its address, whether Ray counts it alive), asked from a fresh
     process (a test process stays out of Ray)."""

@@ -224,7 +224,8 @@ def _diagnosis(address: str, rdir: Path, tmp_path: Path) -> str:
     placed = _placement(rdir) if (rdir / "placement.json").exists() else {}
     said = [line for name in ("driver.log", "driver-resumed.log") if (tmp_path / name).exists()
             for line in (tmp_path / name).read_text(errors="replace").splitlines() if " WARNING " in line]
-    return "\n".join([f"placement: {placed}", ray_cluster.describe_nodes(address), *said[-15:]])
+    return "\n".join([f"placement: {placed}", ray_cluster.describe_nodes(address), ray_cluster.describe_actors(address),
+                      *said[-15:]])
 
 
 def _assert_one_checksum_per_version(run_id: str, anns: list[Any]) -> None:
