@@ -41,7 +41,7 @@ CHOSEN = {
          Setting("dora", S, 2.0, 40, 24, max_num_seqs=256, repartition="consolidate", tp=8,
                  hop_latency_s=HOP_US * 1e-6),
          Setting("partial_bounded", S, 2.0, 40, 24, max_num_seqs=256, tp=8, hop_latency_s=HOP_US * 1e-6)),
-    128: ("scheduler-20261127-221822.json",
+    128: ("scheduler-20261128-221053.json",
           Setting("dora", S, 3.0, 80, 48, max_num_seqs=256, repartition="consolidate", tp=8,
                   hop_latency_s=HOP_US * 1e-6),
           Setting("partial_bounded", S, 2.0, 80, 48, max_num_seqs=256, tp=8, hop_latency_s=HOP_US * 1e-6)),
