@@ -32,7 +32,7 @@ cap, not at the average busy context::
 
 A packed instance then never runs out of KV (nothing is preempted), and its decode step, which grows with
 the context it reads, stays no slower than a full instance's. Off (``consolidate_pack_at_cap = False``):
-packing counts ``slots``, and a version's last ~2% of cap-length requests could share one instance.
+packing counts ``slots``, and a version's cap-length tail can land on one instance.
 
 **Consolidation** (:func:`consolidated_quotas`). An old version (``v < latest``) keeps as many instances
 as its in-flight trajectories need slots (:func:`straggler_slots`), ``ceil(in_flight / slots)``, never more
