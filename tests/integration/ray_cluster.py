@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 RAY = str(Path(sys.executable).with_name("ray"))
 FAST_HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
@@ -57,34 +58,32 @@ def stop(prefix: Sequence[str] = ()) -> None:
     subprocess.run([*prefix, RAY, "stop", "--force"], capture_output=True, timeout=120)
 
 
-ACTORS = ("import json,ray,sys; from ray._private import state; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-          "print(json.dumps([[a['Name'], a['State'], a['Address']['IPAddress'], a['NumRestarts']] "
-          "for a in state.actors().values() if a['Name']]))")
-"""Each named actor's state, node and restart count, from Ray's control store (no dashboard needed)."""
+def _ask(address: str, expression: str) -> Any:
+    """``expression`` (JSON-able) evaluated in a fresh process joined to the cluster at ``address`` (a test process
+    stays out of Ray); RuntimeError with its stderr when it fails."""
+    code = ("import json,ray,sys; from ray._private import state; "
+            f"ray.init(address=sys.argv[1], logging_level='ERROR'); print(json.dumps({expression}))")
+    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip()[-500:] or f"exit {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def describe_actors(address: str) -> str:
-    """One entry per named actor of the cluster at ``address`` (name, state, node, restarts), for a failing test's
-    message; what went wrong asking, if that failed."""
+    """One entry per named actor of the cluster at ``address`` (name, state, node, restarts: from Ray's control
+    store, no dashboard needed), for a failing test's message; what went wrong asking, if that failed."""
     try:
-        out = subprocess.run([sys.executable, "-c", ACTORS, address], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            return f"Ray's actors: no answer ({out.stderr.strip()[-300:]})"
-        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        rows = _ask(address, "[[a['Name'], a['State'], a['Address']['IPAddress'], a['NumRestarts']] "
+                             "for a in state.actors().values() if a['Name']]")
         return "Ray's actors: " + "; ".join(f"{n} {s} on {ip or '-'} ({r} restarts)" for n, s, ip, r in rows)
-    except (ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+    except (RuntimeError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
         return f"Ray's actors: no answer ({exc})"
 
 
 def _nodes(address: str) -> list[tuple[str, bool]]:
-    """Each node of the cluster at ``address`` (its address, whether Ray counts it alive), asked from a fresh
-    process (a test process stays out of Ray)."""
-    code = ("import json,ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-            "print(json.dumps([[n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()]))")
-    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr.strip()[-500:] or f"exit {out.returncode}")
-    return [(str(ip), bool(alive)) for ip, alive in json.loads(out.stdout.strip().splitlines()[-1])]
+    """Each node of the cluster at ``address`` (its address, whether Ray counts it alive)."""
+    rows = _ask(address, "[[n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()]")
+    return [(str(ip), bool(alive)) for ip, alive in rows]
 
 
 def alive_nodes(address: str, expect: int, timeout: float = 60.0) -> None:
