@@ -37,7 +37,7 @@ from scheduler import HOP_US, MFU, REPORT, S, paired_ratio_interval
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHOSEN = {
-    64: ("scheduler-20261127-231349.json",
+    64: ("scheduler-20261129-002523.json",
          Setting("dora", S, 2.0, 40, 24, max_num_seqs=256, repartition="consolidate", tp=8,
                  hop_latency_s=HOP_US * 1e-6),
          Setting("partial_bounded", S, 2.0, 40, 24, max_num_seqs=256, tp=8, hop_latency_s=HOP_US * 1e-6)),
