@@ -143,8 +143,8 @@ BF16_DRIFT_LIMIT = 0.75
 """The most an 8-step bf16 update may differ from its fp32 twin, as a share of the one-step floor: the
 difference of a single step (``‖Δθ_bf16 − Δθ_fp32‖ / ‖Δθ_fp32‖``). AdamW's first step is a sign step, so
 bf16 rounding of near-zero gradients flips whole steps; that floor is the hardware's (0.11 on an AMD EPYC
-CPU). Over 8 steps correct updates average that noise down (measured 0.38–0.55 of the floor on seeds 2–4); forwards that
-compute with stale weights (autocast's weight cache, decision 0042) drift away instead (~7.5x the floor)."""
+CPU). Over 8 steps correct updates average that noise down (0.38–0.55 of the floor, seeds 2–4); forwards
+that compute with stale weights (autocast's weight cache, decision 0042) drift away (7.5x the floor)."""
 
 
 def bf16_drift(update: Any, samples: list[Sample]) -> tuple[float, float, dict, dict]:

@@ -110,7 +110,7 @@ def test_bf16_update_sees_its_own_optimizer_steps(tmp_path: Path) -> None:
     copy of the weights the update began with (the ratio stayed 1: no clip, approx KL ~0). The bf16
     update must then stay below the one-step floor (:data:`gpu_sections.BF16_DRIFT_LIMIT`), and see the
     ratio move as fp32 does. Measured (1 thread, deterministic): on an AMD EPYC CPU 0.061 of the update's
-    size against a floor of 0.111 (0.55 of it); 0.038 on the earlier Intel CPU; with the cache on, 0.83;
+    size against a floor of 0.110 (0.55 of it); 0.038 on the earlier machine's CPU; with the cache on, 0.83;
     clip fraction 0.240 / 0.243 (cache on: 0). Decision 0075."""
     path = build_tiny_model(tmp_path / "m", "1m", seed=2)
     model, _ = load_policy(path)
