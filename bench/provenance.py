@@ -1,7 +1,10 @@
-"""What a benchmark result was measured on: the commit (and whether the tree had local changes)."""
+"""What a benchmark result was measured on: the commit (and whether the tree had local changes) and the machine
+(CPU model and count: timed figures and some numerics depend on it, decision 0075)."""
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -9,15 +12,26 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
+def machine() -> dict[str, Any]:
+    """``{"cpu": <model name>, "cpus": <count>}`` of this host (``platform.processor()`` where ``/proc`` is absent)."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return {"cpu": names[0] if names else platform.processor(), "cpus": os.cpu_count()}
+
+
 def provenance() -> dict[str, Any]:
-    """``{"commit": <sha>, "dirty": bool}`` of the repository this benchmark runs from."""
+    """``{"commit": <sha>, "dirty": bool, "machine": {...}}`` of the repository and host this benchmark runs on."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+                "machine": machine()}
     except (OSError, subprocess.CalledProcessError) as exc:
-        return {"commit": None, "dirty": None, "error": str(exc)}
+        return {"commit": None, "dirty": None, "machine": machine(), "error": str(exc)}
 
 
 def write_result(prefix: str, out: dict[str, Any], explicit: str | None = None) -> Path:

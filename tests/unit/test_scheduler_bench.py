@@ -23,3 +23,12 @@ def test_every_mode_gets_a_sweep_of_the_same_size(gpus: int, tps: tuple[int, ...
         assert st.colocated and st.rollout_gpus == st.train_gpus == gpus and st.mode == "partial_bounded"
     for st in grids["dora"] + grids["partial"]:
         assert not st.colocated and st.rollout_gpus + st.train_gpus == gpus and st.rollout_gpus % st.tp == 0
+
+
+def test_a_result_names_its_commit_and_its_machine() -> None:
+    """Timed figures and bf16 numerics depend on the host (decision 0075): every result records it."""
+    import provenance
+
+    p = provenance.provenance()
+    assert p["commit"] and len(p["commit"]) == 40
+    assert p["machine"]["cpus"] >= 1 and isinstance(p["machine"]["cpu"], str)
