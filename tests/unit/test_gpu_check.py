@@ -36,4 +36,6 @@ def test_small_mode_runs_every_section_and_passes_every_check(tmp_path: Path) ->
                  "kv_move.fp32.same_tokens_vs_rebatched"):
         assert checks[name]["pass"], name
     assert not NOT_ON_A_GPU_MACHINE & set(result["modules"])
-    assert cpu_s < 60, f"the small mode used {cpu_s:.0f} s of CPU"
+    # a size budget, not a speed claim: 59 s of CPU alone on an AMD EPYC core (bf16 without native support),
+    # 63 s beside the other test worker; a section run at full size would take minutes
+    assert cpu_s < 75, f"the small mode used {cpu_s:.0f} s of CPU"
