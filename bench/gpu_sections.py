@@ -129,8 +129,10 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
 
-def _update(path: Path, ctx: Context, dtype: str, samples: list[Sample], minibatches: int = 8,
-            **kw: Any) -> tuple[torch.Tensor, dict]:
+def moved_by_update(path: Path, ctx: Context, dtype: str, samples: list[Sample], minibatches: int = 8,
+                    **kw: Any) -> tuple[torch.Tensor, dict]:
+    """Δθ (flat, fp32) and the stats of one ``minibatches``-step update of the model at ``path`` under
+    ``precision`` of ``dtype`` (AdamW at the product's lr)."""
     model, _ = load_policy(path, device=ctx.device)
     before = _flat(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
@@ -160,7 +162,7 @@ def bf16_drift(update: Any, samples: list[Sample]) -> tuple[float, float, dict, 
 def bf16_update(ctx: Context) -> dict[str, Any]:
     model, _, path = tiny(ctx, "1m", seed=2)
     samples = fresh_groups(model, 32)
-    rel, floor, s32, s16 = bf16_drift(lambda dt, ss, mb: _update(path, ctx, dt, ss, mb), samples)
+    rel, floor, s32, s16 = bf16_drift(lambda dt, ss, mb: moved_by_update(path, ctx, dt, ss, mb), samples)
     ctx.check("bf16_update.share_of_one_step_floor", rel / floor, BF16_DRIFT_LIMIT, rel <= BF16_DRIFT_LIMIT * floor)
     ctx.check("bf16_update.clip_frac_seen", s16["clip_frac"], 0.5 * s32["clip_frac"],
               s16["clip_frac"] >= 0.5 * s32["clip_frac"] > 0)

@@ -18,7 +18,8 @@ from dora_rl.consumers.trainer.update import Sample, policy_update
 from dora_rl.modeling import build_tiny_model, load_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gpu_sections import BF16_DRIFT_LIMIT, bf16_drift, fresh_groups  # the GPU check's own batch and rule
+# the GPU check's own batch, update and rule
+from gpu_sections import BF16_DRIFT_LIMIT, Context, bf16_drift, fresh_groups, moved_by_update
 
 PROMPTS = [[1, 5, 6, 7, 8]] * 3 + [[1, 9, 9]] * 2  # two GRPO groups: the shared-prefix path applies
 RESPONSES = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [20], [21, 22]]
@@ -92,18 +93,6 @@ def test_config_defaults_and_checks(tmp_path: Path) -> None:
     assert dataclasses.replace(ok, device="cuda:1").validate().device == "cuda:1"
 
 
-def _moved(path: Path, dtype: str, samples: list[Sample] | None = None,
-           minibatches: int = 8) -> tuple[torch.Tensor, dict[str, float]]:
-    """Δθ (flat) and the stats of one ``minibatches``-step update under ``precision`` of ``dtype``."""
-    model, _ = load_policy(path)
-    samples = samples if samples is not None else fresh_groups(model, 32)
-    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)  # the product's lr
-    with precision(DoraConfig(model=str(path), dtype=dtype).validate()):  # type: ignore[arg-type]
-        stats = policy_update(model, opt, samples, minibatches=minibatches, seed=0)
-    return torch.cat([p.detach().flatten() for p in model.parameters()]) - before, stats
-
-
 def test_bf16_update_sees_its_own_optimizer_steps(tmp_path: Path) -> None:
     """Over 8 minibatches every forward must see the weights as they are after the previous optimizer
     step: autocast's weight cache (kept for the whole context) made every later minibatch use the bf16
@@ -115,7 +104,8 @@ def test_bf16_update_sees_its_own_optimizer_steps(tmp_path: Path) -> None:
     path = build_tiny_model(tmp_path / "m", "1m", seed=2)
     model, _ = load_policy(path)
     samples = fresh_groups(model, 32)
-    rel, floor, s32, s16 = bf16_drift(lambda dt, ss, mb: _moved(path, dt, ss, mb), samples)
+    ctx = Context(device="cpu", small=True, workdir=tmp_path)
+    rel, floor, s32, s16 = bf16_drift(lambda dt, ss, mb: moved_by_update(path, ctx, dt, ss, mb), samples)
     assert rel <= BF16_DRIFT_LIMIT * floor, f"bf16 update off the fp32 one by {rel:.3f}, one-step floor {floor:.3f}"
     assert s32["clip_frac"] > 0.01  # the update moves the ratio enough to clip ...
     assert abs(s16["clip_frac"] - s32["clip_frac"]) <= 0.25 * s32["clip_frac"]  # ... and bf16 sees it too
