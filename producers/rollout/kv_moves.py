@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from dora_rl.schemas.records import KvTransfer, RolloutRequest
 
 from .engine import GenRequest
 
-if TYPE_CHECKING:  # torch only where rows exist: an emulated instance never imports it
+if TYPE_CHECKING:  # torch only where rows move: an instance that moves none never imports it
     import torch
 
     from dora_rl.infra.weights.holder import WeightServer
@@ -53,6 +54,13 @@ KV_HOLD_BYTES = 4 << 30
 """Bytes of rows held at most per instance (a long context of a 1B model is ~100 MB of KV)."""
 
 
+def load_rows_module() -> None:
+    """Import :mod:`.kv_rows` (torch and transformers: seconds on a CPU) now. The outbox and the inbox call this
+    when they are built, at the instance's start: imported at the first export instead, it stalled the
+    generation thread for ~4 s mid-step, and the first moves of every run with it (decision 0077)."""
+    importlib.import_module(f"{__package__}.kv_rows")
+
+
 def kv_signature(kv: KvTransfer, token: str) -> str:
     """The run's signature of ``kv`` (``infra/kafka/signing.mac`` over ``KvTransfer.unsigned_encoding``)."""
     return mac(kv, token)
@@ -63,6 +71,7 @@ class KvOutbox:
     puts, the main loop expires)."""
 
     def __init__(self, server: WeightServer, token: str, clock: Callable[[], float] = time.monotonic) -> None:
+        load_rows_module()
         self._server, self._token, self._clock = server, token, clock
         self._held: deque[tuple[float, int, int]] = deque()  # (served at, transfer id, bytes), oldest first
         self._bytes = 0
@@ -142,6 +151,7 @@ class KvInbox:
     """
 
     def __init__(self, fetch: Fetch, token: str, count: Callable[[str, int, str], None]) -> None:
+        load_rows_module()
         self._fetch, self._token, self._count = fetch, token, count
         self._lock = threading.Lock()  # the main loop (joins) and the generation thread (new calls) both ask
 

@@ -119,3 +119,25 @@ def test_the_inbox_counts_every_request_that_names_rows(holder, fetcher) -> None
     assert inbox.with_rows(_request("r/p0/1", kv), plain).kv is not None
     assert inbox.with_rows(_request("r/p0/1", kv.replace(holder="10.9.9.9:1")), plain).kv is None
     assert counted == [("kv_moves", 4, ""), ("kv_fallback", 4, "signature")]
+
+
+_BUILD_ONLY = """
+import sys
+from dora_rl.producers.rollout import kv_moves
+ROWS = "dora_rl.producers.rollout.kv_rows"
+assert ROWS not in sys.modules, "imported before any outbox or inbox exists"
+kv_moves.{end}
+assert ROWS in sys.modules, "the {end} left the rows module to its first move"
+"""
+
+
+@pytest.mark.parametrize("end", ["KvOutbox(server=None, token='t')", "KvInbox(lambda *a: None, 't', lambda *a: None)"])
+def test_building_either_end_loads_the_rows_module_before_the_first_move(end: str) -> None:
+    """The rows module imports transformers (~4 s on 2 cores): imported at the first export, it stalled the
+    generation thread mid-step and every move of that run's first re-partition (decision 0077)."""
+    import subprocess
+    import sys
+
+    code = _BUILD_ONLY.format(end=end)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
