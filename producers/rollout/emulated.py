@@ -355,8 +355,8 @@ class EmulatedEngine:
 
 def stand_in_rows(tokens: list[int]) -> KvRows:
     """The emulated engine's KV rows of a context: its token ids (float32, ``[1, n, 1]``, one layer), so an
-    import can check it got this trajectory's rows over a real transfer (torch is imported here, on the first
-    export, never by an instance that moves nothing)."""
+    import can check it got this trajectory's rows over a real transfer (torch and the rows module are imported
+    when the instance's KV outbox is built, ``kv_moves.load_rows_module``; never by an instance that moves nothing)."""
     import torch
 
     from .kv_rows import KvRows
