@@ -19,7 +19,8 @@ state with queued prompts and migrating partials kept as references into the log
 :class:`~dora_rl.streams.kafka_runtime.KafkaDriver`, every commit puts the requests and plans decided,
 the snapshot and the consumed positions in one transaction: a restarted orchestrator restores the
 state its committed decisions were made in, so no prompt is dispatched twice or lost, and a zombie
-is fenced. Recovery reads one snapshot and the referenced records, not the run's history.
+is fenced. A commit comes at once when a request is decided (:func:`requests_waiting`), else every
+``commit_interval_s``. Recovery reads one snapshot and the referenced records, not the run's history.
 """
 
 from __future__ import annotations
@@ -278,4 +279,10 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
 
     orch = Orchestrator(run_id, config, token)
     driver = KafkaDriver(bootstrap, run_id, orch, input_types(config), start_offsets, token=token)
-    driver.run(stop, done=orch.done)
+    driver.run(stop, done=orch.done, urgent=lambda: requests_waiting(driver.ctx.pending))
+
+
+def requests_waiting(pending: list[Any]) -> bool:
+    """Whether a decided request waits for the commit: it is committed at once, not at the interval, as an
+    instance slot (or a migrating trajectory) stays idle until its request is readable (read_committed)."""
+    return any(o.topic == topics.REQUESTS for o in pending)

@@ -20,13 +20,21 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.security import ClientSecurity, check_kafka_error, client_config, on_client_error
 
-__all__ = ["metadata", "now_ms", "read_all", "read_backwards", "read_range", "reader_config",
+__all__ = ["consume_ready", "metadata", "now_ms", "read_all", "read_backwards", "read_range", "reader_config",
            "surface_security_error", "watermarks"]
 
 
 def now_ms() -> int:
     """Wall clock in Unix epoch milliseconds."""
     return int(time.time() * 1000)
+
+
+def consume_ready(consumer: Consumer, max_records: int, timeout: float) -> list[Message]:
+    """Up to ``max_records`` messages: waits at most ``timeout`` for the first, then takes only what is already
+    fetched. ``consumer.consume(n, timeout)`` alone waits the whole ``timeout`` unless ``n`` arrive (librdkafka's
+    batch consume), which would hold every message that arrives meanwhile for up to ``timeout``."""
+    first = consumer.consume(1, timeout)
+    return first + consumer.consume(max_records - 1, 0) if first and max_records > 1 else first
 
 
 def reader_config(bootstrap: str, group_id: str, security: ClientSecurity | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, consumer_config, is_record
 from dora_rl.infra.kafka.lag import LagProbe
+from dora_rl.infra.kafka.read import consume_ready
 from dora_rl.infra.observability import prom
 from dora_rl.schemas.codec import DecodeError
 from dora_rl.schemas.records import RolloutRequest
@@ -42,8 +43,10 @@ class RequestReader:
         self.next_offset = self.tp.offset
 
     def poll(self, timeout: float) -> list[tuple[int, RolloutRequest]]:
+        """This run's requests, in offset order: waits at most ``timeout`` for the first, returns when one has come
+        (a new request joins the running engine call at once); undecodable ones are dead-lettered."""
         out: list[tuple[int, RolloutRequest]] = []
-        msgs = self.consumer.consume(500, timeout)
+        msgs = consume_ready(self.consumer, 500, timeout)
         self.lag.record(self.consumer, [self.tp])
         for msg in msgs:
             if not is_record(msg):  # EOF or a retriable error; a security or fatal error raises

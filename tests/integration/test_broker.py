@@ -8,6 +8,7 @@ transactions, the broker's own CLI tools, restart durability, and a 3-node clust
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from dora_rl.infra.broker.server import (
     run_kafka_tool,
     stop_broker,
 )
+from dora_rl.infra.kafka.read import consume_ready
 
 pytestmark = pytest.mark.broker
 
@@ -185,6 +187,35 @@ def test_faust_agent_and_table_end_to_end(broker: LocalBroker) -> None:
     topics = AdminClient({"bootstrap.servers": bs}).list_topics(timeout=10).topics
     # created by faust itself through CreateTopics (auto.create.topics.enable=false on the broker)
     assert f"{app_id}-counts-changelog" in topics
+
+
+def test_consume_ready_returns_when_the_first_record_comes_not_at_the_timeout(broker: LocalBroker) -> None:
+    """A rollout instance's request (and the like) is taken when it arrives: ``consume(500, t)`` alone would wait
+    the whole ``t`` for 500 records, holding a request that came meanwhile (librdkafka's batch consume)."""
+    bs = broker.bootstrap_servers
+    topic = new_topic(bs)
+    c = Consumer({"bootstrap.servers": bs, "group.id": f"g-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest",
+                  "enable.auto.commit": False})
+    c.subscribe([topic])
+    p = Producer({"bootstrap.servers": bs})
+    try:
+        p.produce(topic, key="warm", value=b"0")
+        p.flush(30)
+        assert [m.key() for m in consume_ready(c, 500, 30.0)] == [b"warm"]  # assigned and fetching
+        producing = threading.Timer(0.5, lambda: (p.produce(topic, key="late", value=b"1"), p.flush(30)))
+        producing.start()
+        t0 = time.monotonic()
+        got = consume_ready(c, 500, 20.0)
+        waited = time.monotonic() - t0
+        producing.join()
+        assert [m.key() for m in got] == [b"late"]
+        assert waited < 10.0, f"waited {waited:.1f} s for one record with a 20 s timeout"
+        for i in range(3):
+            p.produce(topic, key=f"k{i}", value=b"2")
+        p.flush(30)
+        assert len(consume_ready(c, 1, 30.0)) == 1  # never more than max_records
+    finally:
+        c.close()
 
 
 def test_transactions_read_committed(broker: LocalBroker) -> None:
