@@ -6,8 +6,8 @@ broker (replication 1). The bench plays the rollout instances (their producer se
 ``Trajectory`` records keyed and partitioned as ``producers/rollout/worker.py`` writes them, encoded before the
 clock starts) and the orchestrator's plans: with ``--plans scored`` (the real order) batch ``k`` is planned, in a
 transaction of its own, once all its trajectories are committed on ``dora.rollout.scored`` (the orchestrator's
-rule; the real orchestrator adds up to its 0.2 s commit interval); with ``ahead`` every plan is written first, so
-the path is the scorer and the assembler alone.
+rule; the real orchestrator commits a plan as soon as it is decided, decision 0078); with ``ahead`` every plan is
+written first, so the path is the scorer and the assembler alone.
 
 Workload: TBS trajectories a step in whole groups of G, responses of U[64, 512] tokens, 64 prompt tokens, task
 ``reverse``, version ``k`` in step ``k``; produced step after step at each of ``--rates`` trajectories/s (0: as

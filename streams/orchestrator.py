@@ -19,7 +19,7 @@ state with queued prompts and migrating partials kept as references into the log
 :class:`~dora_rl.streams.kafka_runtime.KafkaDriver`, every commit puts the requests and plans decided,
 the snapshot and the consumed positions in one transaction: a restarted orchestrator restores the
 state its committed decisions were made in, so no prompt is dispatched twice or lost, and a zombie
-is fenced. A commit comes at once when a request is decided (:func:`requests_waiting`), else every
+is fenced. A commit comes at once when a request or a plan is decided (:func:`decisions_waiting`), else every
 ``commit_interval_s``. Recovery reads one snapshot and the referenced records, not the run's history.
 """
 
@@ -279,10 +279,11 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
 
     orch = Orchestrator(run_id, config, token)
     driver = KafkaDriver(bootstrap, run_id, orch, input_types(config), start_offsets, token=token)
-    driver.run(stop, done=orch.done, urgent=lambda: requests_waiting(driver.ctx.pending))
+    driver.run(stop, done=orch.done, urgent=lambda: decisions_waiting(driver.ctx.pending))
 
 
-def requests_waiting(pending: list[Any]) -> bool:
-    """Whether a decided request waits for the commit: it is committed at once, not at the interval, as an
-    instance slot (or a migrating trajectory) stays idle until its request is readable (read_committed)."""
-    return any(o.topic == topics.REQUESTS for o in pending)
+def decisions_waiting(pending: list[Any]) -> bool:
+    """Whether a decided request or batch plan waits for the commit: it is committed at once, not at the interval,
+    as readers see it only then (read_committed) and someone idles until they do: an instance slot or a migrating
+    trajectory for a request, the assembler and then the trainer for a plan. Metrics wait for the interval."""
+    return any(o.topic in (topics.REQUESTS, topics.SCHEDULE) for o in pending)

@@ -288,15 +288,16 @@ def test_the_dataset_waits_in_the_log_so_snapshots_do_not_grow_with_it() -> None
     assert max(sizes[400]) <= limit and max(sizes[400]) == max(sizes[20]), (max(sizes[20]), max(sizes[400]))
 
 
-def test_a_decided_request_makes_the_commit_urgent_and_nothing_else_does() -> None:
-    """``requests_waiting``: a request (GENERATE, CANCEL or a resume) is committed at once, since an instance
-    slot or a migrating trajectory waits for it; plans and metrics wait for the commit interval."""
-    from dora_rl.streams.orchestrator import requests_waiting
+def test_a_decided_request_or_plan_makes_the_commit_urgent_and_a_metric_does_not() -> None:
+    """``decisions_waiting``: a request (GENERATE, CANCEL or a resume) or a batch plan is committed at once, since an
+    instance slot, a migrating trajectory or the trainer waits for it; metrics wait for the commit interval."""
+    from dora_rl.streams.orchestrator import decisions_waiting
 
     def out(topic: str, action: str = "GENERATE") -> OutRecord:
         return OutRecord(topic, "k", SimpleNamespace(action=action))
 
-    assert not requests_waiting([])
-    assert not requests_waiting([out(topics.METRICS), out(topics.SCHEDULE)])
+    assert not decisions_waiting([])
+    assert not decisions_waiting([out(topics.METRICS), out(topics.METRICS)])
+    assert decisions_waiting([out(topics.METRICS), out(topics.SCHEDULE)])
     for action in ("GENERATE", "CANCEL"):
-        assert requests_waiting([out(topics.METRICS), out(topics.REQUESTS, action)])
+        assert decisions_waiting([out(topics.METRICS), out(topics.REQUESTS, action)])
