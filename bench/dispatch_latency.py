@@ -14,6 +14,8 @@ Figures per run, from its own topics (wall clocks of one host):
 - ``dispatch_to_first_token_ms`` = ``first_token_ms - dispatched_ms`` of each trajectory: the send delay, the
   instance's poll, a wait for KV room or a slot (the engine is KV-bound here: not latency alone), prefill, one step;
 - ``version_to_first_token_ms`` = per version and instance, its first token - the version's announcement time;
+- the orchestrator's transactions (the last snapshot's commit number), their rate over the run, and its snapshot's
+  size (each transaction carries one);
 - the run's throughput over the steady steps (as ``bench/modes``; one run per seed is not its comparison).
 
 Usage: ``python bench/dispatch_latency.py [--seeds 3] [--baseline CHECKOUT]``; writes
@@ -49,13 +51,12 @@ def request_kind(req: Any) -> str:
     return "resume" if len(req.partial_ids) else "generate"
 
 
-def latencies(bootstrap: str, run_id: str) -> dict[str, Any]:
-    """The figures of the module docstring, read back from a finished run's topics."""
+def send_delays(bootstrap: str, info: Any) -> dict[str, dict[str, float]]:
+    """``send_delay_ms`` per kind of request, and of the batch plans."""
     from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.runs import get_run, read_run
-    from dora_rl.schemas.records import BatchPlan, PolicyVersion, RolloutRequest, Trajectory
+    from dora_rl.infra.kafka.runs import read_run
+    from dora_rl.schemas.records import BatchPlan, RolloutRequest
 
-    info = get_run(bootstrap, run_id)
     send: dict[str, list[float]] = {"generate": [], "cancel": [], "resume": [], "plan": []}
     for msg in read_run(bootstrap, info, topics.REQUESTS):
         req = RolloutRequest.decode(msg.value(), msg.headers())
@@ -63,6 +64,15 @@ def latencies(bootstrap: str, run_id: str) -> dict[str, Any]:
     for msg in read_run(bootstrap, info, topics.SCHEDULE):
         plan = BatchPlan.decode(msg.value(), msg.headers())
         send["plan"].append(float(msg.timestamp()[1] - plan.ts_ms))
+    return {k: spread(v) for k, v in send.items()}
+
+
+def first_tokens(bootstrap: str, info: Any) -> dict[str, dict[str, float]]:
+    """``dispatch_to_first_token_ms`` and ``version_to_first_token_ms``."""
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import read_run
+    from dora_rl.schemas.records import PolicyVersion, Trajectory
+
     announced: dict[int, int] = {}
     for msg in read_run(bootstrap, info, topics.VERSIONS):
         v = PolicyVersion.decode(msg.value(), msg.headers())
@@ -75,8 +85,36 @@ def latencies(bootstrap: str, run_id: str) -> dict[str, Any]:
         key = (int(t.policy_version), t.instance_id)
         first_of[key] = min(first_of.get(key, t.first_token_ms), t.first_token_ms)
     switch = [float(ms - announced[v]) for (v, _), ms in first_of.items() if v in announced and v > 0]
-    return {"send_delay_ms": {k: spread(v) for k, v in send.items()},
-            "dispatch_to_first_token_ms": spread(first_token), "version_to_first_token_ms": spread(switch)}
+    return {"dispatch_to_first_token_ms": spread(first_token), "version_to_first_token_ms": spread(switch)}
+
+
+def orchestrator_transactions(bootstrap: str, info: Any, run_id: str) -> dict[str, Any]:
+    """The orchestrator's transactions (its last snapshot's commit number), their rate, its snapshot sizes."""
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import read_run
+    from dora_rl.infra.kafka.snapshots import snapshot_key
+    from dora_rl.schemas.records import ProcessorSnapshot
+
+    key = snapshot_key(run_id, "orchestrator").encode()
+    commits, sizes, stamps = 0, list[float](), list[int]()
+    for msg in read_run(bootstrap, info, topics.STATE):
+        if msg.key() == key:
+            snap = ProcessorSnapshot.decode(msg.value(), msg.headers())
+            commits = max(commits, snap.commit)
+            sizes.append(float(len(snap.state)))
+            stamps.append(snap.ts_ms)
+    span_s = (max(stamps) - min(stamps)) / 1000 if stamps else 0.0
+    return {"orchestrator_transactions": commits, "orchestrator_transactions_per_s": commits / max(1e-3, span_s),
+            "orchestrator_snapshot_bytes": spread(sizes)}
+
+
+def latencies(bootstrap: str, run_id: str) -> dict[str, Any]:
+    """The figures of the module docstring, read back from a finished run's topics."""
+    from dora_rl.infra.kafka.runs import get_run
+
+    info = get_run(bootstrap, run_id)
+    return {**orchestrator_transactions(bootstrap, info, run_id), "send_delay_ms": send_delays(bootstrap, info),
+            **first_tokens(bootstrap, info)}
 
 
 def measure(bootstrap: str, mode: str, index: int, seed: int, code: str | None) -> dict[str, Any]:
@@ -106,6 +144,7 @@ def measure(bootstrap: str, mode: str, index: int, seed: int, code: str | None) 
     print(f"   {mode:16s} seed {seed} {out['code'][-24:]:>24s}: send {gen.get('mean', 0):6.1f} ms "
           f"(p90 {gen.get('p90', 0):5.0f}), plan {plan.get('mean', 0):6.1f} ms, "
           f"dispatch->first token {out['dispatch_to_first_token_ms']['mean']:6.1f} ms, "
+          f"{out['orchestrator_transactions_per_s']:4.1f} orchestrator transactions/s, "
           f"{fig['throughput_tokens_per_s']:5.0f} tok/s", file=sys.stderr, flush=True)
     return out
 
