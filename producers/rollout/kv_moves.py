@@ -54,11 +54,24 @@ KV_HOLD_BYTES = 4 << 30
 """Bytes of rows held at most per instance (a long context of a 1B model is ~100 MB of KV)."""
 
 
-def load_rows_module() -> None:
-    """Import :mod:`.kv_rows` (torch and transformers: seconds on a CPU) now. The outbox and the inbox call this
-    when they are built, at the instance's start: imported at the first export instead, it stalled the
-    generation thread for ~4 s mid-step, and the first moves of every run with it (decision 0077)."""
-    importlib.import_module(f"{__package__}.kv_rows")
+_rows_import: threading.Thread | None = None
+_rows_import_lock = threading.Lock()
+
+
+def load_rows_module() -> threading.Thread:
+    """Start importing :mod:`.kv_rows` (torch and transformers: seconds on a CPU) on a daemon thread, once per
+    process, and return that thread. The outbox and the inbox call this when they are built, at the instance's
+    start. Imported at the first export instead, it stalled the generation thread for ~4 s mid-step, and the first
+    moves of every run with it (decision 0077); imported before the instance serves, it added those seconds to
+    every restart (decision 0078). A move that comes before the import ends waits for the rest of it (Python's
+    per-module import lock); an import that failed fails again, with its error, at that move."""
+    global _rows_import
+    with _rows_import_lock:
+        if _rows_import is None:
+            _rows_import = threading.Thread(target=importlib.import_module, args=(f"{__package__}.kv_rows",),
+                                            name="kv-rows-import", daemon=True)
+            _rows_import.start()
+        return _rows_import
 
 
 def kv_signature(kv: KvTransfer, token: str) -> str:

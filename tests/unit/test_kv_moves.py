@@ -127,14 +127,18 @@ from dora_rl.producers.rollout import kv_moves
 ROWS = "dora_rl.producers.rollout.kv_rows"
 assert ROWS not in sys.modules, "imported before any outbox or inbox exists"
 kv_moves.{end}
-assert ROWS in sys.modules, "the {end} left the rows module to its first move"
+loading = kv_moves.load_rows_module()
+assert loading.is_alive(), "the {end} waited for the import: every restart would wait with it"
+loading.join(120)
+assert getattr(sys.modules.get(ROWS), "from_tensors", None), "the {end} left the rows module to its first move"
 """
 
 
 @pytest.mark.parametrize("end", ["KvOutbox(server=None, token='t')", "KvInbox(lambda *a: None, 't', lambda *a: None)"])
 def test_building_either_end_loads_the_rows_module_before_the_first_move(end: str) -> None:
     """The rows module imports transformers (~4 s on 2 cores): imported at the first export, it stalled the
-    generation thread mid-step and every move of that run's first re-partition (decision 0077)."""
+    generation thread mid-step and every move of that run's first re-partition (decision 0077); imported before
+    the instance serves, it lengthened every restart (decision 0078): it is loaded beside the instance's start."""
     import subprocess
     import sys
 
