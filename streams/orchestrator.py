@@ -52,7 +52,7 @@ from dora_rl.schemas.records import (
     Trajectory,
 )
 
-from .processor import Context, InRecord, Ref, dead_letter_for
+from .processor import Context, InRecord, OutRecord, Ref, dead_letter_for
 from .rules import make_scheduler
 from .scheduler_state import dump_state, load_state, payloads
 from .scheduling_events import Aborted, Completed, Consumed, Heartbeat, PromptQueued, Refused, Scored, Tick, VersionSeen
@@ -282,7 +282,7 @@ def run_orchestrator(bootstrap: str, run_id: str, config: DoraConfig,
     driver.run(stop, done=orch.done, urgent=lambda: decisions_waiting(driver.ctx.pending))
 
 
-def decisions_waiting(pending: list[Any]) -> bool:
+def decisions_waiting(pending: list[OutRecord]) -> bool:
     """Whether a decided request or batch plan waits for the commit: it is committed at once, not at the interval,
     as readers see it only then (read_committed) and someone idles until they do: an instance slot or a migrating
     trajectory for a request, the assembler and then the trainer for a plan. Metrics wait for the interval."""
