@@ -159,6 +159,9 @@ ACTORS: dict[str, Actor] = {a.name: a for a in (
     Actor("bench-pipeline", "tool", "bench/pipeline.py", ("bench/pipeline.py",),
           "plays the rollout instances and the orchestrator's plans to time the real scorer and assembler, on "
           "a broker of its own (not an operator: no ACL is derived for it)"),
+    Actor("bench-latency", "tool", "bench/dispatch_latency.py", ("bench/dispatch_latency.py",),
+          "reads runs' requests, plans, versions, trajectories and the orchestrator's snapshots back to time how "
+          "long a decision waits for its reader, on a broker of its own (not an operator: no ACL is derived for it)"),
 )}
 """Every role and tool named as a writer or reader, by name."""
 
@@ -242,7 +245,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
         TopicSpec(REQUESTS, max(MAX_INSTANCES, instances), "dora.v1.RolloutRequest",
                   "version-tagged GENERATE / CANCEL requests, one partition per rollout instance",
                   writers=("orchestrator",),
-                  readers=("rollout", "orchestrator", "audit", "replay", "monitor", "dashboard"),
+                  readers=("rollout", "orchestrator", "audit", "replay", "monitor", "dashboard", "bench-latency"),
                   key=group, partitioning="instance", retention_ms=week,
                   notes="Each instance reads only its own partition (no group rebalancing). The orchestrator "
                         "re-reads its own past requests on start so a prompt is never dispatched twice; the "
@@ -264,7 +267,7 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
         TopicSpec(TRAJECTORIES, num_partitions, "dora.v1.Trajectory",
                   "completed trajectories (reward null), in completion order",
                   writers=("rollout", "bench-pipeline"),
-                  readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard"),
+                  readers=("scorer", "orchestrator", "audit", "replay", "monitor", "dashboard", "bench-latency"),
                   key=group, partitioning="group_id", retention_ms=week, max_message_bytes=8 * MIB,
                   notes="The orchestrator reads completions (instance load, batch planning); the key's "
                         "version is the request's."),
@@ -291,7 +294,8 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
         TopicSpec(VERSIONS, 1, "dora.v1.PolicyVersion",
                   "policy version announcements (weights move out of band), in one order",
                   writers=("trainer",),
-                  readers=("orchestrator", "rollout", "trainer", "audit", "replay", "bench", "monitor", "dashboard"),
+                  readers=("orchestrator", "rollout", "trainer", "audit", "replay", "bench", "monitor", "dashboard",
+                           "bench-latency"),
                   key="v<version:010d>/policy", partitioning="single", retention_ms=month,
                   max_message_bytes=8 * MIB,
                   notes="Only the trainer announces here (`announced_by = TRAINER`), so on a secured cluster no "
@@ -337,13 +341,14 @@ def catalogue(num_partitions: int = 4, instances: int = MAX_INSTANCES) -> tuple[
                   notes="The key carries no version (an exception to docs/decisions/0002)."),
         TopicSpec(SCHEDULE, 1, "dora.v1.BatchPlan",
                   "batch plans: which trajectories form each step's batch (earliest deadline first)",
-                  writers=("orchestrator", "bench-pipeline"), readers=("assembler", "replay"),
+                  writers=("orchestrator", "bench-pipeline"), readers=("assembler", "replay", "bench-latency"),
                   key="v<train_step:010d>/plan", partitioning="single", retention_ms=week,
                   notes="One writer decides both dispatch and batch membership (docs/decisions/0006)."),
         TopicSpec(STATE, 1, "dora.v1.ProcessorSnapshot",
                   "roles' state: a stream processor's snapshot per commit, a rollout instance's tries",
                   writers=("orchestrator", "assembler", "scorer", "rollout"),
-                  readers=("orchestrator", "assembler", "scorer", "rollout", "bench", "bench-snapshot"),
+                  readers=("orchestrator", "assembler", "scorer", "rollout", "bench", "bench-snapshot",
+                           "bench-latency"),
                   key="<run_id>/<processor>", partitioning="single", retention_ms=None, cleanup="compact",
                   max_message_bytes=BATCH_MAX_BYTES,
                   notes="A processor's snapshot is written with its outputs and consumed offsets in one "
