@@ -52,6 +52,7 @@ from dora_rl.infra.kafka.io import (
     resume_all_partitions,
 )
 from dora_rl.infra.kafka.lag import LagProbe
+from dora_rl.infra.kafka.read import consume_ready
 from dora_rl.infra.kafka.security import security_errors_fatal
 from dora_rl.infra.kafka.snapshots import latest_snapshot, send_snapshot
 from dora_rl.infra.observability import prom
@@ -169,8 +170,7 @@ class KafkaDriver:
             if self.linger_s is None:
                 msgs = self.consumer.consume(self.max_records, timeout)
             else:  # wait for the first record only, then take what is fetched (or arrives within linger_s)
-                first = self.consumer.poll(timeout)
-                msgs = [] if first is None else [first, *self.consumer.consume(self.max_records - 1, self.linger_s)]
+                msgs = consume_ready(self.consumer, self.max_records, timeout, self.linger_s)
         self.lag.record(self.consumer, self.assigned)
         n = 0
         for msg in msgs:

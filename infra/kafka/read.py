@@ -29,12 +29,12 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def consume_ready(consumer: Consumer, max_records: int, timeout: float) -> list[Message]:
-    """Up to ``max_records`` messages: waits at most ``timeout`` for the first, then takes only what is already
-    fetched. ``consumer.consume(n, timeout)`` alone waits the whole ``timeout`` unless ``n`` arrive (librdkafka's
-    batch consume), which would hold every message that arrives meanwhile for up to ``timeout``."""
+def consume_ready(consumer: Consumer, max_records: int, timeout: float, linger_s: float = 0.0) -> list[Message]:
+    """Up to ``max_records`` messages: waits at most ``timeout`` for the first, then takes what is already fetched
+    or arrives within ``linger_s``. ``consumer.consume(n, timeout)`` alone waits the whole ``timeout`` unless ``n``
+    arrive (librdkafka's batch consume), which would hold every message that arrives meanwhile for up to ``timeout``."""
     first = consumer.consume(1, timeout)
-    return first + consumer.consume(max_records - 1, 0) if first and max_records > 1 else first
+    return first + consumer.consume(max_records - 1, linger_s) if first and max_records > 1 else first
 
 
 def reader_config(bootstrap: str, group_id: str, security: ClientSecurity | None = None) -> dict[str, Any]:
