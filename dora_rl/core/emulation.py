@@ -31,8 +31,10 @@ sleeps ``time_scale`` times these model seconds) and the discrete-event simulato
   parameters, for the emulated engine (:func:`dora_rl.producers.rollout.requests.make_engine`) and the
   simulator alike.
 
-**Length model** (all draws are hashes of ``(seed, id)``, so a length is a pure function of
-``(seed, request_id, max_new_tokens)``; request ids are ``"<group_id>/<sample_index>"``)::
+**Length model** (all draws are hashes of ``(seed, key)``, so a length is a pure function of
+``(seed, request_id, max_new_tokens)``; request ids are ``"<group_id>/<sample_index>"``, and the key is
+:func:`workload_key`: the id without a run's ``"<run_id>/"`` prefix, so a run's ``i``-th prompt draws the same
+lengths in every run with its seed and two modes compared on one seed see one workload)::
 
     m = length_median or median_fraction * max_new_tokens
     z = sqrt(rho) * g_group + sqrt(1 - rho) * e_request          g, e ~ N(0, 1), rho = group_correlation
@@ -289,6 +291,12 @@ def _normal(seed: int, domain: str, key: str) -> float:
     return _N.inv_cdf((_u64(seed, domain, key) + 0.5) / 2.0**64)
 
 
+def workload_key(request_id: str) -> str:
+    """``"p<i>/<k>"`` of a run's ``"<run_id>/p<i>/<k>"`` (its prompt and sample index); any other id as it is."""
+    parts = request_id.split("/")
+    return "/".join(parts[-2:]) if len(parts) > 2 else request_id
+
+
 def group_of(request_id: str) -> str:
     """The group id of ``"<group_id>/<sample_index>"`` (the whole id when it has no ``/``)."""
     return request_id.rsplit("/", 1)[0] if "/" in request_id else request_id
@@ -299,8 +307,9 @@ def planned_length(request_id: str, max_new_tokens: int, params: EmulatedParams)
     p, cap = params, max_new_tokens
     median = p.length_median if p.length_median is not None else p.median_fraction * cap
     a, b = math.sqrt(p.group_correlation), math.sqrt(1.0 - p.group_correlation)
-    gid = group_of(request_id)
-    z = a * _normal(p.seed, "len-g", gid) + b * _normal(p.seed, "len-r", request_id)
+    key = workload_key(request_id)
+    gid = group_of(key)
+    z = a * _normal(p.seed, "len-g", gid) + b * _normal(p.seed, "len-r", key)
     body = max(1, round(median * math.exp(p.sigma * z)))
     if body >= cap:
         return cap, "length"
@@ -310,7 +319,7 @@ def planned_length(request_id: str, max_new_tokens: int, params: EmulatedParams)
         tail = 1.0 if median >= cap - 0.5 else 0.0
     p_force = max(0.0, p.cap_fraction - tail) / max(1e-12, 1.0 - tail)
     if p_force > 0:
-        w = a * _normal(p.seed, "run-g", gid) + b * _normal(p.seed, "run-r", request_id)
+        w = a * _normal(p.seed, "run-g", gid) + b * _normal(p.seed, "run-r", key)
         if w > _N.inv_cdf(1.0 - p_force):
             return cap, "length"
     return body, "stop"
@@ -321,7 +330,7 @@ def planned_response(
 ) -> tuple[list[int], list[float], PlannedFinish]:
     """The full uninterrupted response: token ids, log-probs and finish reason."""
     n, reason = planned_length(request_id, max_new_tokens, params)
-    rng = np.random.default_rng([params.seed, _u64(params.seed, "tok", request_id)])
+    rng = np.random.default_rng([params.seed, _u64(params.seed, "tok", workload_key(request_id))])
     ids = rng.integers(3, params.vocab, size=n)
     ids[ids == params.eos_id] = 3 if params.eos_id != 3 else 4
     lps = -np.minimum(1e-3 + rng.exponential(0.35, size=n), 2.999)

@@ -16,6 +16,7 @@ from dora_rl.core.emulation import (
     planned_response,
     sample_lengths,
     step_time,
+    workload_key,
 )
 from dora_rl.producers.rollout.emulated import EmulatedEngine
 from dora_rl.producers.rollout.engine import GenRequest, GenResult
@@ -75,6 +76,17 @@ def test_outputs_are_deterministic_in_the_seed() -> None:
     r2 = EmulatedEngine(FAST).generate(reqs)
     assert [(r.token_ids, r.logprobs, r.finish_reason) for r in r1] == \
         [(r.token_ids, r.logprobs, r.finish_reason) for r in r2]
+
+
+def test_a_runs_prompt_draws_the_same_response_whatever_the_run_id() -> None:
+    """Two runs with one seed (two modes of a benchmark) see one workload: prompt ``i`` sample ``k`` of any run."""
+    p = EmulatedParams(seed=3)
+    assert workload_key("20261129-070215-b7fb/p12/3") == "p12/3" and workload_key("g1/0") == "g1/0"
+    one = [planned_response(f"20261129-070215-b7fb/p{i}/{k}", 256, p) for i in range(20) for k in range(4)]
+    other = [planned_response(f"20261129-064508-d04d/p{i}/{k}", 256, p) for i in range(20) for k in range(4)]
+    assert one == other
+    assert len({len(ids) for ids, _, _ in one}) > 10  # the prompt and sample index still draw the length
+    assert planned_length("r1/p0/0", 256, p) != planned_length("r1/p0/0", 256, EmulatedParams(seed=4))
 
 
 def test_step_time_is_flat_up_to_capacity_then_linear() -> None:
