@@ -201,20 +201,24 @@ def steady_figures(step_end_s: list[float], step_tokens: list[float]) -> dict[st
             "step_time_s": wall / (len(step_end_s) - WARMUP), "steady_wall_s": wall}
 
 
-def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str,
-                  kv_across_versions: bool = False) -> dict[str, Any]:
+def simulate_same(config: dict[str, Any], prompt_tokens: float, run_id: str, kv_across_versions: bool = False,
+                  tick_s: float = PUNCTUATE_S, switch_s: float | None = None,
+                  train_s_fixed: float | None = None) -> dict[str, Any]:
     """The simulator on the same configuration (virtual clock): throughput and step time. Its groups carry the
     real run's ids, so each request draws the same emulated length as it did in that run. ``kv_across_versions``:
-    the simulator's knob of that name (``bench/c1_ceiling.py``)."""
+    the simulator's knob of that name (``bench/c1_ceiling.py``); ``tick_s``, ``switch_s`` (default the engine's
+    ``load_s``) and ``train_s_fixed`` (default the config's) perturb the costs (``bench/replay_sensitivity.py``)."""
     from dora_rl.config import DoraConfig
     from dora_rl.core.emulation import EmulatedParams
     from dora_rl.streams.simulator import simulate
 
     cfg = DoraConfig.from_dict(config)
     params = EmulatedParams.from_dict({"seed": cfg.seed, **cfg.emulated, "time_scale": 0.0})
-    r = simulate(cfg, params, train_s_fixed=cfg.modelled_train_s_fixed,
-                 train_s_per_token=cfg.modelled_train_s_per_token, switch_s=params.load_s,
-                 prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p", tick_s=PUNCTUATE_S,
+    r = simulate(cfg, params,
+                 train_s_fixed=cfg.modelled_train_s_fixed if train_s_fixed is None else train_s_fixed,
+                 train_s_per_token=cfg.modelled_train_s_per_token,
+                 switch_s=params.load_s if switch_s is None else switch_s,
+                 prompt_tokens=round(prompt_tokens), group_prefix=f"{run_id}/p", tick_s=tick_s,
                  kv_across_versions=kv_across_versions)
     return {**steady_figures(r.step_end_s, [float(n) for n in r.step_tokens]), "steps": r.steps,
             "whole_run_throughput": r.throughput, "lost": r.lost.as_dict()}

@@ -40,18 +40,11 @@ FIXED = (0.45, 0.5, 0.55)
 
 def replay(config: dict[str, Any], run: dict[str, Any], tick_s: float, switch_s: float, fixed_s: float) -> float:
     """Steady trained tokens/s of ``run`` replayed with these three costs (everything else as recorded)."""
-    from modes import steady_figures
+    from modes import simulate_same
 
-    from dora_rl.config import DoraConfig
-    from dora_rl.core.emulation import EmulatedParams
-    from dora_rl.streams.simulator import simulate
-
-    cfg = DoraConfig.from_dict(config)
-    params = EmulatedParams.from_dict({"seed": cfg.seed, **cfg.emulated, "time_scale": 0.0})
-    r = simulate(cfg, params, train_s_fixed=fixed_s, train_s_per_token=cfg.modelled_train_s_per_token,
-                 switch_s=switch_s, prompt_tokens=round(run["mean_prompt_tokens"]),
-                 group_prefix=f"{run['run_id']}/p", tick_s=tick_s)
-    return float(steady_figures(r.step_end_s, [float(n) for n in r.step_tokens])["throughput_tokens_per_s"])
+    sim = simulate_same(config, run["mean_prompt_tokens"], run["run_id"], tick_s=tick_s, switch_s=switch_s,
+                        train_s_fixed=fixed_s)
+    return float(sim["throughput_tokens_per_s"])
 
 
 def sensitivity(name: str) -> dict[str, Any]:
