@@ -19,7 +19,9 @@ bound get 4 settings each; the simulator found DORA faster at RBS 2 x TBS than a
 before 2026-11-28, and the bounded partial's RBS above 3 x changes nothing, the EDF condition binds first, decision
 0073). Ratios are against each baseline's
 best, with the paired-bootstrap interval over the report seeds. ``--ablate`` runs DORA ``consolidate`` with each
-of its rules off in turn (:data:`ABLATIONS`), each run replayed by the simulator too.
+of its rules off in turn (:data:`ABLATIONS`), and the chosen DORA setting, when it is ``drain``, with each of
+its re-partition rules off (:data:`DRAIN_ABLATIONS`; ``--ablate drain``: those only), each run replayed by the
+simulator too.
 
 **Agreement with the simulator**: each measured run is replayed by :func:`dora_rl.streams.simulator.simulate`
 with the same :class:`DoraConfig`, the same emulated parameters (virtual clock), the same trainer cost
@@ -34,8 +36,8 @@ Figures per run (from its own topics), over the steady steps (the first ``WARMUP
 the staleness histogram and the audit verdict.
 
 Usage: ``python bench/modes.py [--steps 10] [--choose-seeds 0 1 2] [--report-seeds 3 4 5] [--modes
-sync,one_step_off,partial,partial_bounded,dora] [--ablate]`` (``--quick``: no sweep, one setting per mode, the first
-report seed; ``--chosen-from RESULT``: no sweep, the settings that result chose, on more report seeds). Writes
+sync,one_step_off,partial,partial_bounded,dora] [--ablate [all|drain]]`` (``--quick``: no sweep, one setting per mode,
+the first report seed; ``--chosen-from RESULT``: no sweep, the settings that result chose, on more report seeds). Writes
 ``bench/results/modes-<timestamp>.json`` and ``.png``.
 """
 
@@ -100,6 +102,12 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "pack_avg": {"consolidate_pack_at_cap": False},  # old versions packed at the average busy context
 }
 """Each ``consolidate`` rule switched off in turn (``--ablate``), as ``bench/scheduler.py`` does."""
+DRAIN_ABLATIONS: dict[str, dict[str, Any]] = {
+    "free_lowest_index": {"repartition_free_least_loaded": False},  # a shrinking version keeps its lowest holders
+    "idle_trigger_off": {"repartition_on_idle": False},  # an orphaned instance waits for the timed re-partition
+}
+"""Rules of the chosen DORA setting that ``consolidate``'s ablation does not exercise, each off in turn on that
+setting when it is ``drain`` (``--ablate``); compared with the chosen setting's own report runs."""
 
 
 def settings(mode: str, quick: bool) -> list[dict[str, Any]]:
@@ -311,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--choose-seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds the sweep chooses on")
     ap.add_argument("--report-seeds", type=int, nargs="+", default=[3, 4, 5], help="seeds the figures report")
     ap.add_argument("--modes", default="sync,one_step_off,partial,partial_bounded,dora")
-    ap.add_argument("--ablate", action="store_true", help="DORA consolidate with each rule off, on the report seeds")
+    ap.add_argument("--ablate", nargs="?", const="all", choices=["all", "drain"], default=None,
+                    help="each rule off in turn on the report seeds: consolidate's and the chosen drain setting's "
+                         "(all), or the drain setting's only (drain)")
     ap.add_argument("--quick", action="store_true", help="no sweep: one setting per mode, the first report seed")
     ap.add_argument("--chosen-from", default=None,
                     help="a bench/modes result: run the settings it chose on the report seeds, no sweep")
@@ -380,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             setting = choose(mode)
             print(f"== {mode}: {label(mode, setting)} on seeds {seeds}", file=sys.stderr, flush=True)
             result["best"][mode] = {"setting": setting, "runs": [measure(mode, setting, seed) for seed in seeds]}
-        if args.ablate:
+        if args.ablate == "all":
             base = next(st for st in settings("dora", False)  # the ablation's base, as before the wider sweep
                         if st["repartition_policy"] == "consolidate" and st["rollout_batch_size"] == 3 * TBS)
             chosen = result["best"].get("dora", {})
@@ -389,11 +399,18 @@ def main(argv: list[str] | None = None) -> int:
             for which in ABLATIONS:
                 st = ablated(base, which)
                 result["ablation"][which] = {"setting": st, "runs": [measure("dora", st, s) for s in seeds]}
+        chosen = result["best"].get("dora", {})
+        if args.ablate and chosen.get("setting", {}).get("repartition_policy") == "drain":
+            result["drain_ablation"] = {"none": chosen}
+            for which, change in DRAIN_ABLATIONS.items():
+                st = {**chosen["setting"], **change}
+                result["drain_ablation"][which] = {"setting": st, "runs": [measure("dora", st, s) for s in seeds]}
     finally:
         if broker is not None:
             broker.stop()
     result["summary"] = summarize(result["best"])
     result["ablation_summary"] = summarize_ablation(result["ablation"])
+    result["drain_ablation_summary"] = summarize_ablation(result.get("drain_ablation", {}))
     result["wall_seconds"] = time.monotonic() - t_start
     path = write_result("modes", result, args.out)
     plot(result, path.with_suffix(".png"))
@@ -406,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:13s} {label(mode, row['setting']):58s} {tp['real']['mean']:6.0f} tok/s real, "
               f"{tp['simulated']['mean']:6.0f} sim (sim/real {tp['sim_over_real']:.2f}); step sim/real "
               f"{st['sim_over_real']:.2f}; audit {'PASS' if row['audit_all_pass'] else 'FAIL'}")
-    for which, row in result["ablation_summary"].items():
+    for which, row in [*result["ablation_summary"].items(), *result["drain_ablation_summary"].items()]:
         print(f"ablation {which:14s} {row['throughput_real']:6.0f} tok/s real ({row['vs_all_rules_real']:.2f}x), "
               f"{row['throughput_simulated']:6.0f} sim ({row['vs_all_rules_simulated']:.2f}x)")
     print(f"wrote {path}", file=sys.stderr)

@@ -249,6 +249,17 @@ class DoraConfig:
     (decision 0029). ``consolidate``: old versions' work is packed with its KV onto as few instances as it needs
     (``streams/kv_room.py``). Why ``drain`` is the default: decision 0033."""
 
+    repartition_free_least_loaded: bool = True
+    """``drain`` and ``consolidate``: a version that gives up instances at a re-partition keeps its most loaded
+    holders and frees its least loaded (an empty one switches at once instead of a busy one draining); off: it
+    keeps its lowest-numbered holders (an ablation switch; decision 0080). ``migrate`` keeps the lowest-numbered
+    (its moves cancel work: an order by momentary load would move instances back and forth)."""
+
+    repartition_on_idle: bool = True
+    """``drain``: re-partition as soon as an instance sits idle on an old version with no work in flight while the
+    newest version could be given work (Algorithm 1's trigger that clears orphans); off: such an instance waits for
+    the next timed re-partition (``repartition_s``; an ablation switch; decision 0080)."""
+
     instance_kv_tokens: int = 0
     """KV cache of one rollout instance, in tokens (0: unknown). With ``repartition_policy = "consolidate"``
     it sets how many requests an instance is given (``streams/kv_room.py``: KV room over the busy context

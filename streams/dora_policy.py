@@ -18,10 +18,12 @@ Rules:
 4. **Newest first, back-fill.** New prompts go to the newest version ``V``; an instance still
    holding an older live version ``v`` receives new prompts of ``v`` only into its idle slots and
    only when rule 2 allows it.
-5. **Re-partition.** After every new version (and on demand: load pressure, timer) instances are
+5. **Re-partition.** After every new version (and on demand: load pressure, an instance
+   idle on an old version with no work in flight, timer) instances are
    spread over live versions in proportion to their pending work (in-flight trajectories; for
    ``V`` also the dispatch headroom), every version with in-flight work keeping at least one
-   instance; instances keep their version when possible (:mod:`.repartition`). Under the ``migrate``
+   instance; instances keep their version when possible, a version that gives some up freeing its least loaded
+   (:mod:`.repartition`). Under the ``migrate``
    policy an instance that switches hands its in-flight trajectories over: they are cancelled there
    and re-dispatched, with their partial tokens, to an instance holding the *same* version (so the
    continuation is exact, C1). Under ``drain`` it keeps its version, gets no new work, and switches
@@ -32,20 +34,19 @@ Rules:
    lost: its in-flight trajectories are queued to be generated again, from scratch, on an instance of
    the *same* version (C1), and it is left out of every rule until it is heard again.
 
-Cost (what lets one orchestrator drive thousands of instances, ``bench/orchestration.py``): the
-state keeps counts in step with every change (:mod:`dora_rl.streams.dora_state`: load per
-instance, in-flight work per version, idle instances per version), so a completion, a score or a
-heartbeat is ``O(1)``, a punctuate with nothing to do ``O(S)``, placing a trajectory
-``O(log instances)`` (a heap of the version's instances, kept across calls while no instance changes
-version: each load change is pushed into it, so a punctuate does not rebuild it), a re-partition
-``O(versions + the instances it frees + the trajectories it moves)`` (each version's holders are kept
-sorted, so only the tail beyond its quota is looked at), and one that would decide nothing — the same
-newest version, quotas and holders as the last one left them, no draining instance emptied since —
-``O(versions)``: it is skipped, with the same outcome (``tests/unit/test_dora_policy.py``). A
-draining instance is switched when it empties (the counts note who emptied), not found by a scan. No
-rule scans every trajectory or every instance on an event or a poll; ``consolidate``'s levelling scans the
-instances once per re-partition that levels (``O(instances + the trajectories it moves)``). Rules 1-3 and 5
-(feasibility, re-partition) and the version a moved trajectory resumes under are a
+Cost (what lets one orchestrator drive thousands of instances, ``bench/orchestration.py``): the state keeps counts
+in step with every change (:mod:`dora_rl.streams.dora_state`: load per instance, in-flight work per version, idle
+instances per version), so a completion, a score or a heartbeat is ``O(1)``, a punctuate with nothing to do
+``O(S)``, placing a trajectory ``O(log instances)`` (a heap of the version's instances, kept across calls while no
+instance changes version: each load change is pushed into it, so a punctuate does not rebuild it), a re-partition
+``O(versions + the instances it frees + the trajectories it moves)`` (each version's holders are kept sorted, so
+only the tail beyond its quota is looked at; a version that shrinks has its holders ordered by load), and one that
+would decide nothing — the same newest version, quotas and holders as the last one left them, no draining instance
+emptied since (under ``drain``, which frees by load: none draining) — ``O(versions)``: it is skipped, with the same
+outcome (``tests/unit/test_dora_policy.py``). A draining instance is switched when it empties (the counts note who
+emptied), not found by a scan. No rule scans every trajectory or every instance on an event or a poll;
+``consolidate``'s levelling scans the instances once per re-partition that levels (``O(instances + the trajectories
+it moves)``). Rules 1-3 and 5 (feasibility, re-partition) and the version a moved trajectory resumes under are a
 :class:`~.dora_policy.VersionRules` value, DORA's in :mod:`.dora_rules`; the partial-rollout baseline runs this
 scheduler with its own (:mod:`dora_rl.streams.partial_policy`).
 """
@@ -133,6 +134,8 @@ class DoraScheduler(Generic[P]):
         self.lengths = LengthMoments()  # completed trajectories' token counts (:mod:`.kv_room`)
         self.unpack_due = config.consolidate_unpack_due
         self.free_empty_due = config.consolidate_free_empty_due
+        self.free_least_loaded = config.repartition_free_least_loaded
+        self.on_idle = config.repartition_on_idle
         self.kv_admission = config.consolidate_kv_admission
         self.level = config.consolidate_level
         self.pack_at_cap = config.consolidate_pack_at_cap
@@ -301,12 +304,23 @@ class DoraScheduler(Generic[P]):
 
     def pressure(self) -> bool:
         """Load pressure: a version has more in-flight work than its instances' slots while an
-        instance of another version sits idle. ``O(versions)`` from the state's counts."""
+        instance of another version sits idle; or (``drain``, with ``repartition_on_idle``) an instance sits
+        idle on an old version with no work in flight while the newest version could be given work: an
+        orphan, cleared now rather than at the next timed re-partition. ``O(versions)`` from the state's
+        counts, plus the feasibility check only when such an instance exists."""
         c = self.state.counts
         idle_live = sum(n for v, n in c.idle.items() if v != LOST)
-        return any(c.in_flight.get(v, 0) > self.slots * len(holders) and idle_live - (c.idle.get(v, 0) if v != LOST
-                                                                                     else 0) > 0
-                   for v, holders in c.members.items())
+        if any(c.in_flight.get(v, 0) > self.slots * len(holders) and idle_live - (c.idle.get(v, 0) if v != LOST
+                                                                                 else 0) > 0
+               for v, holders in c.members.items()):
+            return True
+        return self.drain and self.on_idle and self._orphaned() and bool(self._prompts) and self.feasible(
+            self.state.latest, self.G)
+
+    def _orphaned(self) -> bool:
+        """Some live instance sits idle on an old version that has no work in flight."""
+        c, latest = self.state.counts, self.state.latest
+        return any(n > 0 and 0 <= v < latest and not c.in_flight.get(v, 0) for v, n in c.idle.items())
 
     def _tick(self, now: float) -> None:
         """Lose silent instances (rule 6); re-partition on a timer (every ``repartition_s``), under load

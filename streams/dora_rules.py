@@ -15,8 +15,8 @@ from dora_rl.config import DoraConfig
 
 from .dora_policy import DoraScheduler
 from .dora_state import LOST
-from .kv_room import consolidated_quotas, excess, keep_order, kv_slots, straggler_slots
-from .repartition import assign, drain_moves, quotas
+from .kv_room import consolidated_quotas, excess, kv_slots, straggler_slots
+from .repartition import assign, drain_moves, least_loaded_freed, quotas
 from .scheduling_events import Cancel
 
 
@@ -53,11 +53,17 @@ class DoraRules:
             headroom = max(0, min(s.rbs - s.unconsumed(), s.steps * s.tbs - s.state.dispatched))
             pending[latest] = pending.get(latest, 0.0) + headroom
             quota = quotas(pending, n_live)
+            if s.drain and s.free_least_loaded:
+                members = least_loaded_freed(members, quota, counts.load)
         if not quota:
             return []
         same = (latest, quota, counts.epoch, s.slots)
         emptied, draining = counts.emptied, s.state.draining
-        if same == s._unchanged and not (draining and (emptied is None or any(i in draining for i in emptied))):
+        # loads decide which holders a shrinking version frees: while an instance drains, the same quotas may not
+        # mean the same holders
+        by_load = s.drain and s.free_least_loaded
+        if same == s._unchanged and not (draining and (by_load or emptied is None
+                                                       or any(i in draining for i in emptied))):
             s.unchanged_repartitions += 1
             # what it would decide is what holds now: nothing moves, the same instances drain
             return _levelled(s) if _levelling(s) else []
@@ -144,8 +150,5 @@ def _consolidated(s: DoraScheduler[Any], n_live: int) -> tuple[dict[int, int], d
               if s.free_empty_due else None)  # holders decoding its work, from the counts: O(versions)
     pack = straggler_slots(s.kv_tokens, s.lengths, s.max_new_tokens, need_slots) if s.pack_at_cap else need_slots
     quota = consolidated_quotas(in_flight, held, latest, n_live, pack, due=due, loaded=loaded)
-    members: dict[int, Sequence[int]] = dict(counts.members)
-    for v, holders in counts.members.items():
-        if v >= 0 and quota.get(v, 0) < len(holders):
-            members[v] = keep_order(holders, counts.load)
-    return quota, members
+    return quota, (least_loaded_freed(counts.members, quota, counts.load) if s.free_least_loaded
+                   else dict(counts.members))

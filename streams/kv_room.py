@@ -39,7 +39,7 @@ as its in-flight trajectories need slots (:func:`straggler_slots`), ``ceil(in_fl
 than it holds (at least one while it has work but holds none: its instances were lost); it gives one up only when the
 rest would stay below ``1 - hysteresis`` full. Oldest versions are served first (their work is due
 first); the newest version gets every other instance — there is no one-instance floor for anyone. The
-instances a version gives up are its least loaded (:func:`keep_order`), and their trajectories move,
+instances a version gives up are its least loaded (:func:`~.repartition.keep_order`), and their trajectories move,
 with their KV, to the version's other instances. The version due at the next step is packed like the others:
 counted at the cap, its stragglers are not slowed. (With ``consolidate_unpack_due``, the rule before decision
 0074, it is not packed, and an instance of it left with no work is freed at once.)
@@ -48,7 +48,7 @@ counted at the cap, its stragglers are not slowed. (With ``consolidate_unpack_du
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MIN_SAMPLES = 32
@@ -118,12 +118,6 @@ def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], l
         left -= quota[v]
     quota[latest] = quota.get(latest, 0) + left
     return quota
-
-
-def keep_order(holders: Sequence[int], load: Mapping[int, int]) -> list[int]:
-    """``holders`` ordered as :func:`~dora_rl.streams.repartition.assign` keeps them (the first ``quota``):
-    most loaded first, ties to the lowest index, so the least loaded are freed."""
-    return sorted(holders, key=lambda i: (-load.get(i, 0), i))
 
 
 def excess(loads: Mapping[int, int], slack: float = 0.5, floor: int = 4) -> dict[int, int]:

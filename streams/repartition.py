@@ -8,9 +8,10 @@ instance, oldest first, while instances last; the rest are spread in proportion 
 largest-remainder method, so ``sum(quota) == n`` whenever some version has work.
 
 Assignment (:func:`assign`): instances keep their version while its quota lasts (no needless weight
-load); the free ones take the remaining quotas newest first; any left over hold ``latest``. It returns
-only the free instances' versions, from each version's holders (``_Counts.members``), so its cost is the
-versions plus the instances it frees, not all instances (``bench/orchestration.py``).
+load), the most loaded first when the caller orders them so (:func:`least_loaded_freed`); the free ones
+take the remaining quotas newest first; any left over hold ``latest``. It returns only the free
+instances' versions, from each version's holders (``_Counts.members``), so its cost is the versions plus
+the instances it frees, not all instances (``bench/orchestration.py``).
 
 Draining (:func:`drain_moves`): an instance the assignment moves to another version while it still
 decodes trajectories of its own is *held* on its version (``new[i] = current[i]``) and recorded as
@@ -74,6 +75,25 @@ def assign(members: Mapping[int, Sequence[int]], quota: Mapping[int, int], lates
     for i in free[first:]:
         moves[i] = latest
     return moves
+
+
+def keep_order(holders: Sequence[int], load: Mapping[int, int]) -> list[int]:
+    """``holders`` ordered as :func:`assign` keeps them (the first ``quota``): most loaded first, ties to the
+    lowest index, so the least loaded are freed."""
+    return sorted(holders, key=lambda i: (-load.get(i, 0), i))
+
+
+def least_loaded_freed(members: Mapping[int, Sequence[int]], quota: Mapping[int, int],
+                       load: Mapping[int, int]) -> dict[int, Sequence[int]]:
+    """``members`` with the holders of every version that gives instances up (quota below its holders) in
+    :func:`keep_order`, so :func:`assign` frees its least loaded: an empty holder switches at once, where
+    freeing a busy one would leave it draining while an idle one keeps a version with nothing to do.
+    ``O(versions + the holders of versions that shrink)``."""
+    out = dict(members)
+    for v, holders in members.items():
+        if v >= 0 and quota.get(v, 0) < len(holders):
+            out[v] = keep_order(holders, load)
+    return out
 
 
 def drain_moves(current: Sequence[int], moves: dict[int, int], load: Mapping[int, int]) -> dict[int, int]:

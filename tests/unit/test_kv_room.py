@@ -16,10 +16,10 @@ from dora_rl.streams.kv_room import (
     LengthMoments,
     consolidated_quotas,
     excess,
-    keep_order,
     kv_slots,
     straggler_slots,
 )
+from dora_rl.streams.repartition import keep_order
 from dora_rl.streams.scheduling_events import Completed, PromptQueued, VersionSeen
 from dora_rl.streams.simulator import simulate
 

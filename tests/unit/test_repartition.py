@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from dora_rl.config import DoraConfig
 from dora_rl.streams.dora_policy import DoraScheduler
 from dora_rl.streams.dora_rules import dora_scheduler
 from dora_rl.streams.dora_state import LOST
-from dora_rl.streams.repartition import assign, drain_moves, drained, quotas
+from dora_rl.streams.repartition import assign, drain_moves, drained, least_loaded_freed, quotas
 from dora_rl.streams.scheduler_state import dump_state, load_state
 from dora_rl.streams.scheduling_events import Completed, Heartbeat, PromptQueued, Tick, VersionSeen
 
@@ -155,3 +157,65 @@ def test_a_repeated_repartition_still_moves_a_draining_instance_that_emptied() -
     assert s.unchanged_repartitions == 0 and s.state.draining == {} and s.state.instance_version[mover] == 1
     s.repartition()
     assert s.unchanged_repartitions == 1, "nothing changed since: this one decides nothing"
+
+
+def test_least_loaded_freed_orders_only_the_versions_that_shrink() -> None:
+    members = {0: [0, 1, 2], 1: [3, 4]}
+    load = {0: 0, 1: 5, 2: 2, 3: 0, 4: 9}
+    ordered = least_loaded_freed(members, {0: 1, 1: 2}, load)
+    assert ordered == {0: [1, 2, 0], 1: [3, 4]}  # version 1 keeps both: its order is untouched
+    assert assign(ordered, {0: 1, 1: 4}, 1, LOST) == {0: 1, 2: 1}  # the busiest holder of 0 keeps it
+    assert assign(members, {0: 1, 1: 4}, 1, LOST) == {1: 1, 2: 1}  # by index, the busiest one would move
+
+
+def _one_busy_one_empty(free_least_loaded: bool, on_idle: bool = True) -> DoraScheduler[str]:
+    """Both instances hold version 0; instance 0 has finished its work, instance 1 still decodes two; then
+    version 1 is published with prompts waiting."""
+    s: DoraScheduler[str] = dora_scheduler(DoraConfig.from_dict({
+        "mode": "dora", "steps": 3, "train_batch_size": 4, "max_staleness": 1, "group_size": 2,
+        "rollout_batch_size": 12, "num_instances": 2, "instance_concurrency": 4, "engine": "emulated",
+        "repartition_policy": "drain", "repartition_free_least_loaded": free_least_loaded,
+        "repartition_on_idle": on_idle, "repartition_s": 5.0}))
+    for g in range(3):
+        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    s.handle(Heartbeat(0, 0.0))
+    s.handle(Heartbeat(1, 0.0))
+    s.handle(VersionSeen(0, 0.0))
+    first = s.decide().dispatches
+    assert {d.instance for d in first} == {0, 1}
+    for d in first:
+        if d.instance == 0:
+            s.handle(Completed(f"{d.group_id}/{d.sample_index}"))
+    for g in range(3, 9):
+        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    s.handle(VersionSeen(1, 1.0))
+    return s
+
+
+def test_drain_frees_the_empty_instance_not_the_busy_one() -> None:
+    """Version 0 keeps one instance for its work in flight: the busy one keeps it, the empty one takes version 1
+    at once, and version 1's work goes there now (no instance drains, none sits idle on version 0)."""
+    s = _one_busy_one_empty(True)
+    assert s.state.instance_version == [1, 0] and s.state.draining == {}
+    sent = s.decide().dispatches
+    assert sent and {(d.instance, d.version) for d in sent} == {(0, 1)}
+    old = _one_busy_one_empty(False)  # the ablation: the lowest index keeps version 0
+    assert old.state.instance_version == [0, 0] and old.state.draining == {1: 1}
+    assert all(d.version == 0 for d in old.decide().dispatches)
+
+
+@pytest.mark.parametrize("on_idle", [True, False])
+def test_an_instance_idle_on_a_finished_version_is_moved_at_the_next_tick(on_idle: bool) -> None:
+    """Instance 0 keeps version 0 (lowest index) while instance 1 drains towards version 1; once instance 1
+    empties, version 0 has no work anywhere and instance 0 is an orphan. With the trigger it takes the newest
+    version at the next tick; without it, only at the timed re-partition ``repartition_s`` later."""
+    s = _one_busy_one_empty(False, on_idle)
+    for tid in list(s.state.counts.placed.get(1, ())):
+        s.handle(Completed(tid))
+    s.handle(Tick(1.1))
+    assert s.state.instance_version[1] == 1
+    assert s.state.instance_version[0] == (1 if on_idle else 0)
+    s.handle(Tick(5.0))
+    assert s.state.instance_version[0] == (1 if on_idle else 0)
+    s.handle(Tick(6.1))  # repartition_s after the version was seen
+    assert s.state.instance_version == [1, 1]
