@@ -118,7 +118,9 @@ class Setting:
     """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
     again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``unpack_due`` (the due version
     not packed, freeing its empty instances), ``due_kept``,
-    ``kv_admission_on``, ``pack_avg`` (old versions packed at the average busy context, not at the cap); empty: none."""
+    ``kv_admission_on``, ``pack_avg`` (old versions packed at the average busy context, not at the cap); ``drain``'s
+    ``free_lowest_index`` (a shrinking version keeps its lowest holders) and ``idle_trigger_off`` (no re-partition for
+    an instance idle on an old version); empty: none."""
 
     @property
     def name(self) -> str:
@@ -160,7 +162,9 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
                 "unpack_due": {"consolidate_unpack_due": True},
                 "due_kept": {"consolidate_free_empty_due": False},
                 "pack_avg": {"consolidate_pack_at_cap": False},
-                "kv_admission_on": {"consolidate_kv_admission": True}}.get(setting.ablate, {})
+                "kv_admission_on": {"consolidate_kv_admission": True},
+                "free_lowest_index": {"repartition_free_least_loaded": False},
+                "idle_trigger_off": {"repartition_on_idle": False}}.get(setting.ablate, {})
     n_inst = setting.rollout_gpus // setting.tp
     rbs = int(setting.rbs_factor * w.tbs) // w.group * w.group
     from provenance import config_mode
