@@ -47,7 +47,7 @@ CHOSEN = {
           Setting("partial_bounded", S, 2.0, 80, 48, max_num_seqs=256, tp=8, hop_latency_s=HOP_US * 1e-6)),
 }
 """Per GPU count: the committed result whose chosen settings these are, DORA's choice, the bounded partial's."""
-MODES = "modes-20261129-103757.json"
+MODES = "modes-20261201-231543.json"
 """The current ``bench/modes`` result (``bench/README.md``)."""
 
 
