@@ -14,7 +14,7 @@ from dora_rl.streams.dora_rules import dora_scheduler
 from dora_rl.streams.dora_state import LOST
 from dora_rl.streams.repartition import assign, drain_moves, drained, least_loaded_freed, quotas
 from dora_rl.streams.scheduler_state import dump_state, load_state
-from dora_rl.streams.scheduling_events import Completed, Heartbeat, PromptQueued, Tick, VersionSeen
+from dora_rl.streams.scheduling_events import Completed, Dispatch, Heartbeat, PromptQueued, Tick, VersionSeen
 
 
 def test_quotas_cover_every_version_with_work_and_sum_to_n() -> None:
@@ -103,15 +103,21 @@ def _cfg(policy: str) -> DoraConfig:
                                 "instance_concurrency": 4, "engine": "emulated", "repartition_policy": policy})
 
 
+def _started(s: DoraScheduler[str], groups: int) -> list[Dispatch[str]]:
+    """Queue ``groups`` prompts, hear both instances, publish version 0: the first dispatches (on both)."""
+    for g in range(groups):
+        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
+    for i in (0, 1):
+        s.handle(Heartbeat(i, 0.0))
+    s.handle(VersionSeen(0, 0.0))
+    first = list(s.decide().dispatches)
+    assert {d.instance for d in first} == {0, 1} and {d.version for d in first} == {0}
+    return first
+
+
 def _sched(policy: str) -> DoraScheduler[str]:
     s: DoraScheduler[str] = dora_scheduler(_cfg(policy))
-    for g in range(4):  # 8 trajectories of version 0 fill both instances; 4 more fit the RBS later
-        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
-    s.handle(Heartbeat(0, 0.0))
-    s.handle(Heartbeat(1, 0.0))
-    s.handle(VersionSeen(0, 0.0))
-    first = s.decide().dispatches
-    assert {d.instance for d in first} == {0, 1} and {d.version for d in first} == {0}
+    _started(s, 4)  # 8 trajectories of version 0 fill both instances; 4 more fit the RBS later
     return s
 
 
@@ -176,14 +182,7 @@ def _one_busy_one_empty(free_least_loaded: bool, on_idle: bool = True) -> DoraSc
         "rollout_batch_size": 12, "num_instances": 2, "instance_concurrency": 4, "engine": "emulated",
         "repartition_policy": "drain", "repartition_free_least_loaded": free_least_loaded,
         "repartition_on_idle": on_idle, "repartition_s": 5.0}))
-    for g in range(3):
-        s.handle(PromptQueued(f"g{g}", f"prompt {g}"))
-    s.handle(Heartbeat(0, 0.0))
-    s.handle(Heartbeat(1, 0.0))
-    s.handle(VersionSeen(0, 0.0))
-    first = s.decide().dispatches
-    assert {d.instance for d in first} == {0, 1}
-    for d in first:
+    for d in _started(s, 3):
         if d.instance == 0:
             s.handle(Completed(f"{d.group_id}/{d.sample_index}"))
     for g in range(3, 9):
