@@ -125,9 +125,8 @@ def settings(mode: str, quick: bool) -> list[dict[str, Any]]:
     return grid[mode][-1:] if quick else grid[mode]
 
 
-def ablated(setting: dict[str, Any], which: str) -> dict[str, Any]:
-    """``setting`` with one ``consolidate`` rule off (:data:`ABLATIONS`)."""
-    change = ABLATIONS[which]
+def ablated(setting: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """``setting`` with one rule off: ``change`` is an entry of :data:`ABLATIONS` or :data:`DRAIN_ABLATIONS`."""
     out = {**setting, **{k: v for k, v in change.items() if k != "emulated"}}
     if "emulated" in change:
         out["emulated"] = change["emulated"]
@@ -390,20 +389,19 @@ def main(argv: list[str] | None = None) -> int:
             setting = choose(mode)
             print(f"== {mode}: {label(mode, setting)} on seeds {seeds}", file=sys.stderr, flush=True)
             result["best"][mode] = {"setting": setting, "runs": [measure(mode, setting, seed) for seed in seeds]}
+        chosen = result["best"].get("dora", {})
         if args.ablate == "all":
             base = next(st for st in settings("dora", False)  # the ablation's base, as before the wider sweep
                         if st["repartition_policy"] == "consolidate" and st["rollout_batch_size"] == 3 * TBS)
-            chosen = result["best"].get("dora", {})
             runs = chosen["runs"] if chosen.get("setting") == base else [measure("dora", base, s) for s in seeds]
             result["ablation"]["none"] = {"setting": base, "runs": runs}
-            for which in ABLATIONS:
-                st = ablated(base, which)
+            for which, change in ABLATIONS.items():
+                st = ablated(base, change)
                 result["ablation"][which] = {"setting": st, "runs": [measure("dora", st, s) for s in seeds]}
-        chosen = result["best"].get("dora", {})
         if args.ablate and chosen.get("setting", {}).get("repartition_policy") == "drain":
             result["drain_ablation"] = {"none": chosen}
             for which, change in DRAIN_ABLATIONS.items():
-                st = {**chosen["setting"], **change}
+                st = ablated(chosen["setting"], change)
                 result["drain_ablation"][which] = {"setting": st, "runs": [measure("dora", st, s) for s in seeds]}
     finally:
         if broker is not None:

@@ -46,6 +46,9 @@ class DoraRules:
         counts = s.state.counts
         n_live = len(s.state.instance_version) - len(counts.members.get(LOST, ()))
         members: Mapping[int, Sequence[int]] = counts.members
+        # under drain, loads pick which holders a shrinking version frees: while an instance drains, the same quotas
+        # may not mean the same holders
+        by_load = s.drain and s.free_least_loaded
         if s.consolidate:
             quota, members = _consolidated(s, n_live)
         else:
@@ -53,15 +56,12 @@ class DoraRules:
             headroom = max(0, min(s.rbs - s.unconsumed(), s.steps * s.tbs - s.state.dispatched))
             pending[latest] = pending.get(latest, 0.0) + headroom
             quota = quotas(pending, n_live)
-            if s.drain and s.free_least_loaded:
+            if by_load:
                 members = least_loaded_freed(members, quota, counts.load)
         if not quota:
             return []
         same = (latest, quota, counts.epoch, s.slots)
         emptied, draining = counts.emptied, s.state.draining
-        # loads decide which holders a shrinking version frees: while an instance drains, the same quotas may not
-        # mean the same holders
-        by_load = s.drain and s.free_least_loaded
         if same == s._unchanged and not (draining and (by_load or emptied is None
                                                        or any(i in draining for i in emptied))):
             s.unchanged_repartitions += 1
