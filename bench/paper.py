@@ -215,7 +215,8 @@ def figures(r: SimResult, setting: Setting, w: Workload, n_inst: int) -> dict[st
 def bound(gpus: int, w: Workload, eff: Efficiencies, seed: int = 0, tp: int = TP,
           hop_latency_s: float = 0.0) -> dict[str, Any]:
     """The bubble-free throughput bound (formula in the module docstring), best layout, instances of ``tp``
-    GPUs."""
+    GPUs; ``layouts`` holds every layout's own bound (a disaggregated scheduler at split ``r`` cannot pass
+    ``layouts[f"{r}r+{N - r}t"]``)."""
     p = w.params(eff, seed, tp, hop_latency_s)
     lengths = sample_lengths(20_000, p, w.cap, w.group).astype(float)
     mean_l = float(lengths.mean())
@@ -233,7 +234,8 @@ def bound(gpus: int, w: Workload, eff: Efficiencies, seed: int = 0, tp: int = TP
     for r in range(tp, gpus, tp):
         layouts[f"{r}r+{gpus - r}t"] = min(rollout(r), trainer(gpus - r))
     best = max(layouts, key=lambda k: layouts[k])
-    return {"tokens_per_s": layouts[best], "layout": best, "mean_length": mean_l, "busy_slot_context": ctx,
+    return {"tokens_per_s": layouts[best], "layout": best, "layouts": layouts, "mean_length": mean_l,
+            "busy_slot_context": ctx,
             "slots_per_instance": slots, "p99_over_p50": float(sorted(lengths)[int(0.99 * len(lengths))]
                                                                / sorted(lengths)[len(lengths) // 2])}
 

@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     mean = {k: statistics.fmean(v) for k, v in thr.items()}
     out["bound"] = max((bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == 4 else HOP_US * 1e-6) for tp in tps),
                        key=lambda b: b["tokens_per_s"])  # the best over the TPs swept
+    out["layout_bounds"] = layout_bounds(gpus, w, eff, chosen)
     out["ratios"] = {"dora_vs_partial": mean["dora"] / mean["partial"],
                      "dora_vs_partial_interval": paired_ratio_interval(thr["dora"], thr["partial"]),
                      "dora_vs_partial_unbounded": mean["dora"] / mean["partial_unbounded"],
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                      "dora_vs_colocated_interval": paired_ratio_interval(thr["dora"], thr["colocated"]),
                      "dora_vs_colocated_kv_kept": mean["dora"] / mean["colocated_kv_kept"],
                      "colocated_fraction_of_bound": mean["colocated"] / out["bound"]["tokens_per_s"],
+                     "dora_fraction_of_its_layout_bound": mean["dora"] / out["layout_bounds"]["dora"],
+                     "partial_fraction_of_its_layout_bound": mean["partial"] / out["layout_bounds"]["partial"],
                      "consolidate_vs_partial": mean["dora_consolidate"] / mean["partial"],
                      "consolidate_vs_partial_interval": paired_ratio_interval(thr["dora_consolidate"],
                                                                               thr["partial"])}
@@ -152,6 +155,19 @@ def main(argv: list[str] | None = None) -> int:
                       "ablation": {k: round(v["throughput_mean"]) for k, v in out["ablation"].items()},
                       "ratios": out["ratios"], "file": str(path)}, indent=1))
     return 0
+
+
+def layout_bounds(gpus: int, w: Workload, eff: Efficiencies, chosen: dict[str, Setting]) -> dict[str, Any]:
+    """The bubble-free bound of each chosen disaggregated setting's own split and TP (what no scheduler at that
+    split can pass), and the best disaggregated layout's bound over the TPs 4 and 8: the most any
+    disaggregated mode could reach, whatever its scheduler."""
+    def of(tp: int) -> dict[str, float]:
+        return bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == 4 else HOP_US * 1e-6)["layouts"]
+    per_tp = {tp: of(tp) for tp in (4, 8)}
+    out: dict[str, Any] = {label: per_tp[st.tp][f"{st.rollout_gpus}r+{gpus - st.rollout_gpus}t"]
+                           for label, st in chosen.items() if label in ("dora", "partial")}
+    out["best_disaggregated"] = max(v for layouts in per_tp.values() for k, v in layouts.items() if k != "colocated")
+    return out
 
 
 def save_partial(out: dict[str, Any]) -> None:
