@@ -336,7 +336,7 @@ def broker_kill_run(steps: int, root: Path) -> dict[str, Any]:
     from confluent_kafka.admin import AdminClient
 
     from dora_rl.consumers.audit import audit_run
-    from dora_rl.infra.broker.server import LocalCluster
+    from dora_rl.infra.broker.cluster import LocalCluster
     from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.security import client_config
     from dora_rl.launcher import prepare_topics

@@ -101,7 +101,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
     if args.cluster:
         if args.action != "start":
             raise SystemExit("--cluster supports only `start` (it runs in the foreground until Ctrl-C)")
-        cluster = b.LocalCluster(security=security)
+        from dora_rl.infra.broker.cluster import LocalCluster
+
+        cluster = LocalCluster(security=security)
         cluster.start()
         print(cluster.bootstrap_servers, flush=True)
         if security is not None:

@@ -18,10 +18,10 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from dora_rl.infra.broker.cluster import LocalCluster
 from dora_rl.infra.broker.server import (
     JVM_OPTS_ENV,
     LocalBroker,
-    LocalCluster,
     broker_status,
     resolve_bootstrap,
     run_kafka_tool,

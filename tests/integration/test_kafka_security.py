@@ -33,7 +33,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from dora_rl.infra.broker.server import BrokerError, BrokerSecurity, LocalBroker, LocalCluster
+from dora_rl.infra.broker.cluster import LocalCluster
+from dora_rl.infra.broker.server import BrokerError, BrokerSecurity, LocalBroker
 from dora_rl.infra.kafka import security as ks
 from dora_rl.infra.kafka import topics
 from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
