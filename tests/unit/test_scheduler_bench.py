@@ -32,3 +32,24 @@ def test_a_result_names_its_commit_and_its_machine() -> None:
     p = provenance.provenance()
     assert p["commit"] and len(p["commit"]) == 40
     assert p["machine"]["cpus"] >= 1 and isinstance(p["machine"]["cpu"], str)
+
+
+def test_every_layouts_bound_is_recorded_and_the_bound_is_their_best() -> None:
+    """``bound()`` is the best layout; a disaggregated layout is capped by its slower side, so no split passes the
+    colocated layout when both phases scale linearly in GPUs (decision 0081)."""
+    from dataclasses import replace
+
+    from paper import Efficiencies, Setting, Workload, bound
+
+    w, eff = Workload(), replace(Efficiencies(), train_mfu=scheduler.MFU)
+    b = bound(64, w, eff, tp=8, hop_latency_s=scheduler.HOP_US * 1e-6)
+    layouts = b["layouts"]
+    assert set(layouts) == {"colocated"} | {f"{r}r+{64 - r}t" for r in range(8, 64, 8)}
+    assert b["tokens_per_s"] == max(layouts.values()) and layouts[b["layout"]] == b["tokens_per_s"]
+    assert max(v for k, v in layouts.items() if k != "colocated") < layouts["colocated"]
+    chosen = {"dora": Setting("dora", 2, 2.0, 40, 24, repartition="consolidate", tp=8),
+              "partial": Setting("partial_bounded", 2, 2.0, 24, 40, tp=4)}  # rollout-bound: its TP counts
+    lb = scheduler.layout_bounds(64, w, eff, chosen)
+    assert lb["dora"] == layouts["40r+24t"]
+    assert lb["partial"] == bound(64, w, eff, tp=4)["layouts"]["24r+40t"] != layouts["24r+40t"]
+    assert lb["best_disaggregated"] >= max(lb["dora"], lb["partial"])
