@@ -66,9 +66,14 @@ def main() -> None:
         while len(watch.steps) < at:
             watch.poll()
         pid = json.loads((rdir / "pids.json").read_text())[role]
-        os.kill(pid, sig)
-        kills.append({"role": role, "at_step": len(watch.steps), "pid": pid, "signal": sig.name, "t_kill": time.time()})
-        print(f"sent {sig.name} to {role} (pid {pid}) after {len(watch.steps)} steps", file=sys.stderr)
+        kill = {"role": role, "at_step": len(watch.steps), "pid": pid, "signal": sig.name, "t_kill": time.time()}
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # the role finished its work and exited (the dataset producer does, early)
+            kill["not_sent"] = "the role had exited"
+        kills.append(kill)
+        print(f"{kill.get('not_sent', 'sent')} {sig.name} to {role} (pid {pid}) after {len(watch.steps)} steps",
+              file=sys.stderr)
     proc.wait()
     watch.close()
     summary = json.loads(out.read_text())
