@@ -72,8 +72,8 @@ def main() -> None:
         except ProcessLookupError:  # the role finished its work and exited (the dataset producer does, early)
             kill["not_sent"] = "the role had exited"
         kills.append(kill)
-        print(f"{kill.get('not_sent', 'sent')} {sig.name} to {role} (pid {pid}) after {len(watch.steps)} steps",
-              file=sys.stderr)
+        done = f"not sent ({kill['not_sent']})" if "not_sent" in kill else "sent"
+        print(f"{sig.name} {done} to {role} (pid {pid}) after {len(watch.steps)} steps", file=sys.stderr)
     proc.wait()
     watch.close()
     summary = json.loads(out.read_text())
