@@ -19,6 +19,8 @@ engine re-prefills), KV-aware packing off (``instance_kv_tokens = 0``: packing c
 levelling off, the due version not packed (freeing its empty instances, as before decision 0074), KV-capped
 admission on (off by default, decision 0048), and old versions packed at the average busy context rather than at
 the cap (decision 0074).
+Beside the bound (the best layout, colocated here) each result records the chosen DORA and bounded partial settings'
+own split's bound and the best disaggregated one (``layout_bounds``, decision 0081).
 The DORA / partial ratio's interval is a paired bootstrap over the reported seeds (ratio of means,
 seeds resampled together). ``train_mfu`` 0.40 (the TP-4 headline's fit), cost parameters as frozen in
 ``dora_rl/core/hardware_costs.py`` plus the KV move's cost (bytes over the network).
