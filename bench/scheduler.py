@@ -60,10 +60,15 @@ HOP_US = 0.5
 """The all-reduce hop latency at TP 8 (report 0041: the most the frozen TP-4 overhead allows)."""
 
 
+def hop_s(tp: int) -> float:
+    """The all-reduce hop latency the sweeps give TP ``tp`` (none at the recipe's TP 4)."""
+    return 0.0 if tp == 4 else HOP_US * 1e-6
+
+
 def sweeps(gpus: int, tps: tuple[int, ...] = (4,)) -> dict[str, list[Setting]]:
     """Each mode's settings, at every TP of ``tps`` (the same count per mode)."""
     splits = (gpus // 2, 5 * gpus // 8, 3 * gpus // 4)
-    hop = {tp: 0.0 if tp == 4 else HOP_US * 1e-6 for tp in tps}
+    hop = {tp: hop_s(tp) for tp in tps}
     dora = [Setting("dora", S, f, r, gpus - r, max_num_seqs=n, repartition=pol, tp=tp, hop_latency_s=hop[tp])
             for tp in tps for pol in ("drain", "consolidate") for r in splits if r % tp == 0
             for f in (2.0, 3.0) for n in (128, 256)]
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     out["ablation"] = ablation(best_consolidate, w, eff)
     thr = {k: v["throughput"] for k, v in out["modes"].items()}
     mean = {k: statistics.fmean(v) for k, v in thr.items()}
-    out["bound"] = max((bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == 4 else HOP_US * 1e-6) for tp in tps),
+    out["bound"] = max((bound(gpus, w, eff, tp=tp, hop_latency_s=hop_s(tp)) for tp in tps),
                        key=lambda b: b["tokens_per_s"])  # the best over the TPs swept
     out["layout_bounds"] = layout_bounds(gpus, w, eff, chosen)
     out["ratios"] = {"dora_vs_partial": mean["dora"] / mean["partial"],
@@ -163,9 +168,7 @@ def layout_bounds(gpus: int, w: Workload, eff: Efficiencies, chosen: dict[str, S
     """The bubble-free bound of each chosen disaggregated setting's own split and TP (what no scheduler at that
     split can pass), and the best disaggregated layout's bound over the TPs 4 and 8: the most any
     disaggregated mode could reach, whatever its scheduler."""
-    def of(tp: int) -> dict[str, float]:
-        return bound(gpus, w, eff, tp=tp, hop_latency_s=0.0 if tp == 4 else HOP_US * 1e-6)["layouts"]
-    per_tp = {tp: of(tp) for tp in (4, 8)}
+    per_tp = {tp: bound(gpus, w, eff, tp=tp, hop_latency_s=hop_s(tp))["layouts"] for tp in (4, 8)}
     out: dict[str, Any] = {label: per_tp[st.tp][f"{st.rollout_gpus}r+{gpus - st.rollout_gpus}t"]
                            for label, st in chosen.items() if label in ("dora", "partial")}
     out["best_disaggregated"] = max(v for layouts in per_tp.values() for k, v in layouts.items() if k != "colocated")
