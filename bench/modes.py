@@ -98,6 +98,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "kv_moves_off": {"emulated": {"kv_move_s_per_token": 0.0}},  # a moved trajectory is prefilled again
     "kv_slots_off": {"instance_kv_tokens": 0},  # packing counts the engine's slots, not its KV room
     "levelling_off": {"consolidate_level": False},
+    "level_by_count": {"consolidate_level_by_deadline": False},  # levelling spreads by in-flight count
     "unpack_due": {"consolidate_unpack_due": True},
     "pack_avg": {"consolidate_pack_at_cap": False},  # old versions packed at the average busy context
 }

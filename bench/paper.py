@@ -116,7 +116,8 @@ class Setting:
     rollout, the ceiling of a scheduler that keeps C1; ``bench/c1_ceiling.py``, decision 0073)."""
     ablate: str = ""
     """One ``consolidate`` rule switched (``bench/scheduler.py``): ``kv_moves_off`` (moved work is prefilled
-    again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``unpack_due`` (the due version
+    again), ``kv_slots_off`` (packing counts the engine's slots), ``levelling_off``, ``level_by_count`` (levelling
+    spreads by in-flight count, not by deadline), ``unpack_due`` (the due version
     not packed, freeing its empty instances), ``due_kept``,
     ``kv_admission_on``, ``pack_avg`` (old versions packed at the average busy context, not at the cap); ``drain``'s
     ``free_lowest_index`` (a shrinking version keeps its lowest holders) and ``idle_trigger_off`` (no re-partition for
@@ -159,6 +160,7 @@ def run(setting: Setting, w: Workload, eff: Efficiencies, seed: int) -> dict[str
     if setting.ablate == "kv_moves_off":
         p = replace(p, kv_move_s_per_token=0.0)
     ablation = {"kv_slots_off": {"instance_kv_tokens": 0}, "levelling_off": {"consolidate_level": False},
+                "level_by_count": {"consolidate_level_by_deadline": False},
                 "unpack_due": {"consolidate_unpack_due": True},
                 "due_kept": {"consolidate_free_empty_due": False},
                 "pack_avg": {"consolidate_pack_at_cap": False},

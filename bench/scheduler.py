@@ -52,7 +52,7 @@ S, MFU = 2, 0.40
 CHOOSE, REPORT = [0, 1, 2], [3, 4, 5]
 COLOCATED_RBS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 """The colocated partial's over-provisioning sweep (with 4 ``max_num_seqs``: 24 settings a TP, as the others)."""
-ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "unpack_due",
+ABLATIONS = ("kv_moves_off", "kv_slots_off", "levelling_off", "level_by_count", "unpack_due",
              "kv_admission_on", "pack_avg")
 
 

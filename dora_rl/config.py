@@ -270,6 +270,11 @@ class DoraConfig:
     in flight and level each version's work over its instances (KV moves; ``streams/kv_room.py``). Off:
     old versions stay packed (an ablation switch)."""
 
+    consolidate_level_by_deadline: bool = True
+    """``consolidate``, while levelling: each version's share of the instances is its in-flight work over the square
+    of the steps left to its deadline (``streams/kv_room.py:urgency``; decision 0082). Off: its in-flight work alone
+    (an ablation switch)."""
+
     consolidate_pack_at_cap: bool = True
     """``consolidate``: an old version's stragglers are packed as if each runs to ``max_new_tokens``
     (``streams/kv_room.py``: no packed instance runs out of KV or slows its step past a full one's). Off: they are

@@ -138,6 +138,7 @@ class DoraScheduler(Generic[P]):
         self.on_idle = config.repartition_on_idle
         self.kv_admission = config.consolidate_kv_admission
         self.level = config.consolidate_level
+        self.level_by_deadline = config.consolidate_level_by_deadline
         self.pack_at_cap = config.consolidate_pack_at_cap
         self.max_new_tokens = config.max_new_tokens
         self.slots = self.capacity  # requests one instance is given (``kv_slots`` with ``kv_admission``)

@@ -15,7 +15,7 @@ from dora_rl.config import DoraConfig
 
 from .dora_policy import DoraScheduler
 from .dora_state import LOST
-from .kv_room import consolidated_quotas, excess, kv_slots, straggler_slots
+from .kv_room import consolidated_quotas, excess, kv_slots, straggler_slots, urgency
 from .repartition import assign, drain_moves, least_loaded_freed, quotas
 from .scheduling_events import Cancel
 
@@ -132,17 +132,20 @@ def _levelled(s: DoraScheduler[Any]) -> list[Cancel]:
 
 def _consolidated(s: DoraScheduler[Any], n_live: int) -> tuple[dict[int, int], dict[int, Sequence[int]]]:
     """``consolidate``: the slots per instance from KV room (what an instance is given only with
-    ``kv_admission``), each version's quota by what its in-flight work needs counted at the cap
-    (:func:`~.kv_room.straggler_slots`; at the busy context without ``pack_at_cap``), and its
-    holders in the order :func:`assign` keeps them (least loaded freed first); see :mod:`.kv_room`."""
+    ``kv_admission``); while levelling, each version's share of the instances by :func:`~.kv_room.urgency`, else
+    its quota by what its in-flight work needs counted at the cap (:func:`~.kv_room.straggler_slots`; at the busy
+    context without ``pack_at_cap``), and its holders in the order :func:`assign` keeps them (least loaded freed
+    first); see :mod:`.kv_room`."""
     need_slots = kv_slots(s.kv_tokens, s.lengths, s.capacity)
     slots = need_slots if s.kv_admission else s.capacity
     if slots != s.slots:
         s.slots = slots
         s._heaps.reset()
     counts, latest = s.state.counts, s.state.latest
-    if _levelling(s):  # spread: stragglers decode faster on emptier instances
-        return quotas({v: float(n) for v, n in counts.in_flight.items() if v >= 0}, n_live), dict(counts.members)
+    if _levelling(s):  # spread, the version due soonest weighted up: stragglers decode faster on emptier instances
+        in_flight = {v: n for v, n in counts.in_flight.items() if v >= 0}
+        steps_left = {v: s.bound.deadline(v) - s.planner.next_step + 1 for v in in_flight}
+        return quotas(urgency(in_flight, steps_left, s.level_by_deadline), n_live), dict(counts.members)
     in_flight = {v: n for v, n in counts.in_flight.items() if 0 <= v < latest}
     held = {v: len(h) for v, h in counts.members.items() if v >= 0}
     due = latest - s.bound.max_staleness if s.unpack_due else -1  # trained at the next step

@@ -19,9 +19,24 @@ requests locally (decision 0048).
 frees. While it can (it has prompts it may dispatch), old versions are packed as below. While it
 cannot (the run's budget, RBS or the EDF condition holds it back), packing would only slow the old
 versions' stragglers — the work the next batch waits for — so instances are spread over every version
-in proportion to its in-flight work (:func:`~dora_rl.streams.repartition.quotas`) and each version's
-work is levelled over its instances (:func:`excess`): a straggler decodes faster on an emptier instance,
-and a KV move costs milliseconds.
+in flight (:func:`~dora_rl.streams.repartition.quotas`) and each version's work is levelled over its
+instances (:func:`excess`): a straggler decodes faster on an emptier instance, and a KV move costs
+milliseconds.
+
+**Spread by deadline** (:func:`urgency`). Spread in proportion to the in-flight count alone, the version due
+soonest — a few hundred stragglers beside thousands of the newest's requests — gets one instance or two, and
+the batch waits for its tail. So each version's in-flight work ``n_v`` is weighted by the steps ``k_v``
+left before the batch it must be in is planned (``k_v = deadline(v) - c + 1 >= 1``, ``c`` the next batch
+to plan)::
+
+    weight_v = n_v / k_v ** 2
+
+One factor of ``k_v`` is the rate the work must go at (``n_v`` over the steps left to do it). The second
+counts that a version's in-flight work near its deadline is its tail: its longest requests, which no number of
+instances decodes faster than one running alone (a cap-length request alone takes most of a step on the paper
+setup), so less than ``k_v`` steps' time is left to share. Exponents 0 (by count: the rule before), 1, 2 and 3
+were probed on the paper setup's choice seeds (decision 0082): 2 was best. ``consolidate_level_by_deadline``
+off weights by count alone (an ablation switch).
 
 **Stragglers at the cap** (:func:`straggler_slots`). An old version's in-flight work is what is left of
 it once its short requests are done: its long tail, whose context keeps growing towards the cap ``M``
@@ -118,6 +133,12 @@ def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], l
         left -= quota[v]
     quota[latest] = quota.get(latest, 0) + left
     return quota
+
+
+def urgency(in_flight: Mapping[int, int], steps_left: Mapping[int, int], by_deadline: bool = True) -> dict[int, float]:
+    """Each version's weight in the spread while ``consolidate`` levels (module docstring): ``n_v / k_v ** 2``,
+    ``k_v = steps_left[v]`` floored at 1 (``n_v`` alone without ``by_deadline``). Versions with no work weigh 0."""
+    return {v: n / (max(1, steps_left[v]) ** 2 if by_deadline else 1) for v, n in in_flight.items() if n > 0}
 
 
 def excess(loads: Mapping[int, int], slack: float = 0.5, floor: int = 4) -> dict[int, int]:

@@ -18,9 +18,10 @@ from dora_rl.streams.kv_room import (
     excess,
     kv_slots,
     straggler_slots,
+    urgency,
 )
 from dora_rl.streams.repartition import keep_order
-from dora_rl.streams.scheduling_events import Completed, PromptQueued, VersionSeen
+from dora_rl.streams.scheduling_events import Completed, PromptQueued, Scored, VersionSeen
 from dora_rl.streams.simulator import simulate
 
 
@@ -192,3 +193,31 @@ def test_an_old_version_keeps_the_instances_its_stragglers_need_at_the_cap(at_ca
     s.handle(VersionSeen(1, 1.0))
     assert s.in_flight(0) == 64
     assert s.state.instance_version.count(0) == (4 if at_cap else 3)
+
+
+def test_the_spread_weights_in_flight_work_by_the_square_of_the_steps_left() -> None:
+    assert urgency({3: 64, 4: 32}, {3: 2, 4: 3}) == {3: 16.0, 4: 32 / 9}
+    assert urgency({3: 64, 4: 32}, {3: 2, 4: 3}, by_deadline=False) == {3: 64, 4: 32}
+    assert urgency({3: 10, 4: 0}, {3: 0, 4: 1}) == {3: 10.0}  # a due version counts 1 step; no work weighs nothing
+
+
+@pytest.mark.parametrize(("by_deadline", "held"), [(True, (8, 2)), (False, (6, 4))])
+def test_while_levelling_the_version_due_soonest_gets_the_larger_share(by_deadline: bool,
+                                                                      held: tuple[int, int]) -> None:
+    """Version 0 (64 in flight, due in 2 steps) and version 1 (32, due in 3) share 10 instances while the newest can
+    take nothing (RBS full): by deadline 16 : 32/9, so 8 and 2 (one each, then the rest in proportion); by count
+    64 : 32, so 6 and 4."""
+    s: DoraScheduler[str] = dora_scheduler(_cfg(2, 96, num_instances=10, consolidate_level_by_deadline=by_deadline))
+    for g in range(60):
+        s.handle(PromptQueued(f"g{g}", "p"))
+    s.handle(VersionSeen(0, 0.0))
+    tids = [d.trajectory_id for d in s.decide().dispatches]
+    assert len(tids) == 96
+    for t in tids[:32]:  # 8 whole groups: batch 0 is planned
+        s.handle(Completed(t))
+        s.handle(Scored(t))
+    assert [step for step, _ in s.decide().plans] == [0]
+    s.handle(VersionSeen(1, 1.0))
+    assert len(s.decide().dispatches) == 32 and s.unconsumed() == 96  # RBS full: the newest can take nothing
+    s.repartition()
+    assert (s.state.instance_version.count(0), s.state.instance_version.count(1)) == held
