@@ -40,8 +40,6 @@ from typing import Any
 from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import (
     EmulatedParams,
-    decode_steps_within,
-    decode_time,
     for_instance,
     kv_admits,
     kv_steps_left,
@@ -55,26 +53,10 @@ from .batching import BatchAssembler
 from .rules import make_scheduler
 from .scheduling import SchedulingRules
 from .scheduling_events import Aborted, Completed, Consumed, Decisions, PromptQueued, Scored, Tick, VersionSeen
+from .sim_instance import LostTime, SimInstance, SimTraj
 
 STALL_TICKS = 10_000
 """Timer ticks in a row with no other event after which a run is declared stalled (an error)."""
-
-
-@dataclass
-class _Traj:
-    tid: str
-    group_id: str
-    version: int
-    length: int
-    prompt: int = 16
-    done_tokens: int = 0
-    mark: int = 0  # the instance's step count when done_tokens was last brought up to date
-    versions: set[int] = field(default_factory=set)
-    kv_held: bool = False  # cancelled with its KV kept, to move to an instance of the same version
-
-    @property
-    def context(self) -> int:
-        return self.prompt + self.done_tokens
 
 
 @dataclass(frozen=True)
@@ -82,25 +64,6 @@ class _Done:
     trajectory_id: str
     group_id: str
     policy_version: int
-
-
-@dataclass
-class LostTime:
-    """Instance-seconds by use, summed over instances (see the module docstring)."""
-
-    decode_s: float = 0.0
-    intra_bubble_s: float = 0.0
-    prefill_s: float = 0.0
-    reprefill_s: float = 0.0
-    kv_move_s: float = 0.0
-    switch_s: float = 0.0
-    idle_s: float = 0.0
-    preemptions: int = 0
-    intra_by_state: dict[str, float] = field(default_factory=dict)
-    """``intra_bubble_s`` split by what the instance did for the rules (``instance_state``)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -131,97 +94,6 @@ class SimResult:
         return self.trained_tokens / self.wall_s if self.wall_s else 0.0
 
 
-class _Instance:
-    def __init__(self, index: int, capacity: int, params: EmulatedParams) -> None:
-        self.index, self.capacity, self.params = index, capacity, params
-        self.version = -1
-        self.active: dict[str, _Traj] = {}  # in admission order: the newest is preempted first
-        # waiting for a slot, KV room, or the held version to drain (C1): per version, in arrival order (the
-        # instance rule only ever starts the held version's requests, first come first)
-        self.queue: dict[int, deque[_Traj]] = {}
-        self.t = 0.0  # time up to which decoding has been applied
-        self.steps = 0  # decode steps taken so far
-        self.ctx = 0  # context tokens held by the active sequences
-        self.lost = LostTime()
-        self.epoch = 0  # invalidates scheduled events when the active set changes
-        self.finish_at: list[tuple[int, str]] = []  # heap of (step count at which it finishes, id); lazy deletion
-
-    def sync(self, tr: _Traj) -> None:
-        """Bring ``tr.done_tokens`` up to date (its progress is counted by the instance's steps)."""
-        tr.done_tokens += self.steps - tr.mark
-        tr.mark = self.steps
-
-    def _finish_step(self, tr: _Traj) -> int:
-        return tr.mark + tr.length - tr.done_tokens
-
-    def first_finish(self) -> int | None:
-        """The step count at which the next active trajectory finishes (O(log n) amortised)."""
-        while self.finish_at:
-            step, tid = self.finish_at[0]
-            tr = self.active.get(tid)
-            if tr is not None and self._finish_step(tr) == step:
-                return step
-            heapq.heappop(self.finish_at)
-        return None
-
-    def finished(self) -> list[str]:
-        """Ids of the active trajectories that have decoded their whole length."""
-        out = []
-        while True:
-            step = self.first_finish()
-            if step is None or step > self.steps:
-                break
-            tid = heapq.heappop(self.finish_at)[1]
-            if tid not in out:  # re-admitted at the step it left: two equal entries
-                out.append(tid)
-        return out
-
-    def add(self, tr: _Traj) -> None:
-        tr.mark = self.steps
-        self.active[tr.tid] = tr
-        self.ctx += tr.context
-        heapq.heappush(self.finish_at, (self._finish_step(tr), tr.tid))
-
-    def _limit(self) -> int:
-        """Steps the active set can take before one finishes or the KV cache overflows."""
-        first = self.first_finish()
-        assert first is not None, "every active trajectory has its finish step on the heap"
-        k = first - self.steps
-        kv = kv_steps_left(self.ctx, len(self.active), self.params)
-        return max(0, k if kv is None else min(k, kv))
-
-    def advance(self, now: float, state: str = "") -> None:
-        """Apply the whole decode steps that end by ``now`` (closed form, the active set is fixed); its
-        intra-instance bubble counts towards ``state`` (what the instance did for the rules meanwhile)."""
-        if self.active and self.t < now:
-            n = len(self.active)
-            k = min(self._limit(), decode_steps_within(now - self.t, n, self.capacity, self.ctx, self.params))
-            if k > 0:
-                dt = decode_time(k, n, self.capacity, self.ctx, self.params)
-                self.t += dt
-                self.lost.decode_s += dt
-                bubble = dt * max(0.0, 1.0 - n / self.capacity)
-                self.lost.intra_bubble_s += bubble
-                self.lost.intra_by_state[state] = self.lost.intra_by_state.get(state, 0.0) + bubble
-                self.steps += k
-                self.ctx += n * k
-        if not self.active and self.t < now:
-            self.t = now
-
-    def remove(self, tid: str) -> _Traj | None:
-        tr = self.active.pop(tid, None)
-        if tr is not None:
-            self.sync(tr)
-            self.ctx -= tr.context
-        return tr
-
-    def next_event(self) -> float | None:
-        if not self.active:
-            return None
-        k = max(1, self._limit())
-        return self.t + decode_time(k, len(self.active), self.capacity, self.ctx, self.params)
-
-
 def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_s_per_token: float = 2e-4,
              train_s_fixed: float = 0.2, switch_s: float = 0.05, prompt_tokens: int = 16,
              max_events: int | None = None, group_prefix: str = "g", colocated: bool = False,
@@ -245,8 +117,8 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
     p = params or EmulatedParams(time_scale=0.0)
     sched: SchedulingRules[None] = make_scheduler(config)
     asm = BatchAssembler(config.train_batch_size, config.group_size, config.max_staleness)
-    insts = [_Instance(i, config.instance_concurrency, for_instance(p, i)) for i in range(config.num_instances)]
-    trajs: dict[str, _Traj] = {}
+    insts = [SimInstance(i, config.instance_concurrency, for_instance(p, i)) for i in range(config.num_instances)]
+    trajs: dict[str, SimTraj] = {}
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
 
@@ -255,7 +127,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         heapq.heappush(events, (t, seq, kind, data))
         seq += 1
 
-    def schedule(inst: _Instance) -> None:
+    def schedule(inst: SimInstance) -> None:
         inst.epoch += 1
         nf = inst.next_event()
         if nf is not None:
@@ -293,14 +165,14 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         for d in decided.dispatches:
             inst = insts[d.instance]
             length, _ = planned_length(d.trajectory_id, config.max_new_tokens, p)
-            tr = _Traj(d.trajectory_id, d.group_id, d.version, length, prompt_tokens)
+            tr = SimTraj(d.trajectory_id, d.group_id, d.version, length, prompt_tokens)
             trajs[tr.tid] = tr
             admit(inst, tr, now)
         for cancel in decided.cancels:
             inst = insts[cancel.instance]
             inst.advance(now, sched.instance_state(inst.index, inst.version))
             wanted = set(cancel.trajectory_ids)
-            queued: dict[str, _Traj] = {}
+            queued: dict[str, SimTraj] = {}
             for v, waiting in inst.queue.items():
                 if any(q.tid in wanted for q in waiting):
                     queued.update((q.tid, q) for q in waiting if q.tid in wanted)
@@ -325,7 +197,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             asm.on_plan(step, tids)
         return aborted
 
-    def admit(inst: _Instance, tr: _Traj, now: float) -> None:
+    def admit(inst: SimInstance, tr: SimTraj, now: float) -> None:
         """A request reaches an instance: it queues, and the instance rule decides what starts."""
         inst.advance(now, sched.instance_state(inst.index, inst.version))
         waiting = inst.queue.setdefault(tr.version, deque())
@@ -335,7 +207,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             waiting.append(tr)
         drain(inst, now)
 
-    def start(inst: _Instance, tr: _Traj, now: float) -> None:
+    def start(inst: SimInstance, tr: SimTraj, now: float) -> None:
         tr.versions.add(inst.version)
         pre = prefill_time(tr.context, inst.params)  # its own speed (``for_instance``)
         if tr.kv_held:
@@ -350,7 +222,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
         inst.add(tr)
         schedule(inst)
 
-    def fit_kv(inst: _Instance) -> None:
+    def fit_kv(inst: SimInstance) -> None:
         """Preempt the newest sequences until the next decode step fits the KV cache (recomputed later)."""
         while kv_steps_left(inst.ctx, len(inst.active), p) == 0:
             tr = inst.remove(next(reversed(inst.active)))
@@ -359,7 +231,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             inst.queue.setdefault(tr.version, deque()).appendleft(tr)
             inst.lost.preemptions += 1
 
-    def drain(inst: _Instance, now: float) -> None:
+    def drain(inst: SimInstance, now: float) -> None:
         """Start queued work as the real instance does (:mod:`dora_rl.core.instance_policy`): switch
         version only when nothing decodes (C1), then start the held version's requests into free slots."""
         version = next_version(inst.version, (v for v, q in inst.queue.items() if q), len(inst.active))
@@ -378,7 +250,7 @@ def simulate(config: DoraConfig, params: EmulatedParams | None = None, *, train_
             waiting.popleft()
             start(inst, tr, now)
 
-    def pause(inst: _Instance, now: float, dur: float) -> None:
+    def pause(inst: SimInstance, now: float, dur: float) -> None:
         """Hold ``inst`` still for ``[now, now + dur)``: its clock moves past the pause (not counted as use).
         Unless ``colocated_keeps_kv``, its active sequences lose their KV and queue first, in order, to be
         prefilled again when the pause ends (``resume_paused``)."""
