@@ -137,7 +137,7 @@ def consolidated_quotas(in_flight: Mapping[int, int], held: Mapping[int, int], l
 
 def urgency(in_flight: Mapping[int, int], steps_left: Mapping[int, int], by_deadline: bool = True) -> dict[int, float]:
     """Each version's weight in the spread while ``consolidate`` levels (module docstring): ``n_v / k_v ** 2``,
-    ``k_v = steps_left[v]`` floored at 1 (``n_v`` alone without ``by_deadline``). Versions with no work weigh 0."""
+    ``k_v = steps_left[v]`` floored at 1 (``n_v`` alone without ``by_deadline``). Versions with no work are left out."""
     return {v: n / (max(1, steps_left[v]) ** 2 if by_deadline else 1) for v, n in in_flight.items() if n > 0}
 
 

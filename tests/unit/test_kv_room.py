@@ -198,7 +198,7 @@ def test_an_old_version_keeps_the_instances_its_stragglers_need_at_the_cap(at_ca
 def test_the_spread_weights_in_flight_work_by_the_square_of_the_steps_left() -> None:
     assert urgency({3: 64, 4: 32}, {3: 2, 4: 3}) == {3: 16.0, 4: 32 / 9}
     assert urgency({3: 64, 4: 32}, {3: 2, 4: 3}, by_deadline=False) == {3: 64, 4: 32}
-    assert urgency({3: 10, 4: 0}, {3: 0, 4: 1}) == {3: 10.0}  # a due version counts 1 step; no work weighs nothing
+    assert urgency({3: 10, 4: 0}, {3: 0, 4: 1}) == {3: 10.0}  # a due version counts 1 step; no work: left out
 
 
 @pytest.mark.parametrize(("by_deadline", "held"), [(True, (8, 2)), (False, (6, 4))])
