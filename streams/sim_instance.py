@@ -38,7 +38,7 @@ class SimTraj:
 
 @dataclass
 class LostTime:
-    """Instance-seconds by use, summed over instances (see the module docstring)."""
+    """Instance-seconds by use, summed over instances (what each is: :mod:`.simulator`, "Where the time goes")."""
 
     decode_s: float = 0.0
     intra_bubble_s: float = 0.0
