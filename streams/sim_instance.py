@@ -20,7 +20,6 @@ from dora_rl.core.emulation import EmulatedParams, decode_steps_within, decode_t
 class SimTraj:
     """A trajectory as the simulated engine holds it."""
 
-
     tid: str
     group_id: str
     version: int
@@ -57,7 +56,6 @@ class LostTime:
 
 class SimInstance:
     """One instance of the simulated engine (module docstring)."""
-
 
     def __init__(self, index: int, capacity: int, params: EmulatedParams) -> None:
         self.index, self.capacity, self.params = index, capacity, params
