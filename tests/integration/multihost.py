@@ -59,17 +59,27 @@ def claimed_indices(bootstrap: str, run_id: str) -> dict[str, int]:
 def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[str, Any],
                         proc: subprocess.Popen[bytes], min_left_s: float = 1.0, timeout: float = 120.0) -> str:
     """SIGSTOP emulated instance ``index`` (``proc``) at a moment it provably still decodes a request, and
-    return that request's id.
+    return that request's id (:func:`act_while_decoding`)."""
+    import signal
 
-    Tails the instance's heartbeats (``dora.instances``). A request id first seen in heartbeat ``h_k`` (in
+    return act_while_decoding(bootstrap, run_id, {index}, config, lambda _: proc.send_signal(signal.SIGSTOP),
+                              min_left_s, timeout)[1]
+
+
+def act_while_decoding(bootstrap: str, run_id: str, indices: set[int], config: dict[str, Any],
+                       act: Callable[[int], None], min_left_s: float = 1.0, timeout: float = 120.0
+                       ) -> tuple[int, str]:
+    """Call ``act(index)`` at a moment emulated instance ``index`` (one of ``indices``) provably still decodes a
+    request, and return ``(index, that request's id)``.
+
+    Tails the instances' heartbeats (``dora.instances``). A request id first seen in heartbeat ``h_k`` (in
     no heartbeat of any instance before: not a resumed partial) started after ``h_{k-1}``, so it has
     decoded at most ``(ts_k - ts_{k-1}) / step + 1`` tokens at ``ts_k``, where ``step >= base_step_s``
     (``core.emulation.step_time`` never goes below it). Its planned length ``L`` is known
     (``planned_length``), so at the moment the test acts it still has at least
-    ``(L - decoded) * step - (now - ts_k)`` seconds to run; the instance is stopped only when that bound is
+    ``(L - decoded) * step - (now - ts_k)`` seconds to run; the test acts only when that bound is
     at least ``min_left_s``. The leave that follows then always has work to move (no race: decision 0037).
     """
-    import signal
     import time
 
     from confluent_kafka import Consumer, TopicPartition
@@ -81,14 +91,15 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
     from dora_rl.infra.kafka.security import check_kafka_error
     from dora_rl.schemas.records import InstanceStatus
 
-    params = for_instance(EmulatedParams.from_dict({"seed": config["seed"], **config.get("emulated", {})}), index)
-    step, cap = params.base_step_s * params.time_scale, int(config["max_new_tokens"])
+    base = EmulatedParams.from_dict({"seed": config["seed"], **config.get("emulated", {})})
+    params = {i: for_instance(base, i) for i in indices}
+    cap = int(config["max_new_tokens"])
     instances = topics.in_run(run_id, topics.INSTANCES)
     start = topic_start(offsets_map(get_run(bootstrap, run_id)), instances)
     consumer = Consumer(reader_config(bootstrap, f"dora-test-tail-{now_ms()}"))
     consumer.assign([TopicPartition(instances, p, o) for p, o in start.items()])
     seen: set[str] = set()
-    prev_ts: int | None = None
+    prev_ts: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -97,24 +108,27 @@ def stop_while_decoding(bootstrap: str, run_id: str, index: int, config: dict[st
                 hb = InstanceStatus.decode(msg.value(), msg.headers())
                 if hb.run_id != run_id:
                     continue
-                ids = set(hb.in_flight_ids)
-                fresh, mine = ids - seen, int(hb.instance_index) == index
+                ids, index = set(hb.in_flight_ids), int(hb.instance_index)
+                fresh = ids - seen
                 seen |= ids
-                if not mine:
+                if index not in indices:
                     continue
-                ts, last = int(hb.ts_ms), prev_ts
-                prev_ts = ts
+                ts, last = int(hb.ts_ms), prev_ts.get(index)
+                prev_ts[index] = ts
                 if last is None or not fresh:
                     continue
+                p = params[index]
+                step = p.base_step_s * p.time_scale
                 decoded = (ts - last) / 1000.0 / step + 1
-                longest = max(fresh, key=lambda rid: planned_length(rid, cap, params)[0])
-                left = planned_length(longest, cap, params)[0] - decoded
+                longest = max(fresh, key=lambda rid: planned_length(rid, cap, p)[0])
+                left = planned_length(longest, cap, p)[0] - decoded
                 if left * step - (now_ms() - ts) / 1000.0 >= min_left_s:
-                    proc.send_signal(signal.SIGSTOP)
-                    return longest
+                    act(index)
+                    return index, longest
     finally:
         consumer.close()
-    raise AssertionError(f"instance {index} started no request with {min_left_s}s of decode left in {timeout}s")
+    raise AssertionError(f"instances {sorted(indices)} started no request with {min_left_s}s of decode left "
+                         f"in {timeout}s")
 
 
 def run_state(bootstrap: str, run_id: str) -> str:

@@ -10,8 +10,10 @@ instances on ``w2``, ``w3`` or ``w4``. The trainer's checkpoints are on the S3 s
 1. A role's process is killed -9 (the orchestrator): Ray starts its actor, hence the role, again.
 2. The trainer's host vanishes (every process SIGKILLed, the namespace deleted): Ray starts the trainer on
    another worker, where it restores from the object store.
-3. A rollout host vanishes and a new worker joins: Ray places the lost instances again; the orchestrator
-   re-dispatches their work. ``dora-rl scale`` then adds a fourth instance and removes it.
+3. A rollout host vanishes while one of its instances provably still decodes a request, and a new worker
+   joins: Ray places the lost instances again. That request is generated again, whichever comes first: the
+   orchestrator declares the instance lost (``instance_timeout_s``) and re-dispatches it, or the instance Ray
+   starts again reads it back from its partition. ``dora-rl scale`` then adds a fourth instance and removes it.
 4. The trainer's host is partitioned (its link down, its processes alive) for longer than a restart takes:
    Ray declares the node dead and starts the trainer elsewhere; when the link returns, the cut-off trainer
    is fenced (its node was declared dead, so Ray ends it; its transactions could not commit either).
@@ -34,7 +36,7 @@ from typing import Any
 
 import pytest
 import ray_cluster
-from multihost import netlab
+from multihost import act_while_decoding, netlab
 from run_helpers import (
     announcements,
     emulated_run,
@@ -129,7 +131,10 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
         print(f"trainer lost on {lost}, back and 3 steps on in {time.monotonic() - t_moved:.0f}s")
 
         # 3. a rollout host vanishes, a new worker joins, an instance is added and removed
-        lab.lose("w3")
+        on_w3 = {int(r.rsplit("-", 1)[1]) for r in _placement(rdir) if r.startswith("rollout-")
+                 and _host_of(lab, rdir, r) == "w3"}
+        assert on_w3, _placement(rdir)
+        lost_index, lost_tid = act_while_decoding(bootstrap, run_id, on_w3, CONFIG, lambda _: lab.lose("w3"))
         ray_cluster.start_worker(address, lab.ip("w4"), 4, WORKERS["w4"], prefix=lab.prefix("w4"), env=env)
         _scale(lab, address, run_id, 4)
         wait_for(lambda: trajectories_by_instance(bootstrap, run_id).get("rollout-3", 0) > 0, 240,
@@ -157,7 +162,10 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
                   for line in (tmp_path / name).read_text().splitlines() if "control actor was seeded" in line]
         assert len(seeded) == 1 and seeded[0].startswith("driver.log"), (  # the first driver seeds it, once
             f"the control actor restarted (lost its count) or was never seeded: {seeded}")
-        assert metric_total(bootstrap, run_id, "orchestrator", "redispatched") > 0, "lost work was not re-dispatched"
+        redone = [t for t in _trajectories(bootstrap, run_id) if t.trajectory_id == lost_tid]
+        assert redone, f"{lost_tid}, decoding on rollout-{lost_index} when w3 vanished, was never generated again"
+        print(f"{lost_tid} lost with w3, generated again by {redone[0].instance_id}; re-dispatched by the "
+              f"orchestrator: {metric_total(bootstrap, run_id, 'orchestrator', 'redispatched'):.0f}")
         assert "restored at version" in (rdir / "logs" / "trainer.log").read_text()
         report = audit_run(bootstrap, run_id)
         assert report.verdict == "PASS" and report.v_checksum_conflicts == 0, report.render()
@@ -187,6 +195,15 @@ def _resume_driver(lab: Any, driver: Any, address: str, bootstrap: str, run_id: 
     after = {name: _placement(rdir)[name]["pid"] for name in before}
     assert after == before, f"the resumed driver started roles again instead of adopting them: {before} -> {after}"
     return resumed
+
+
+def _trajectories(bootstrap: str, run_id: str) -> list[Any]:
+    from dora_rl.infra.kafka import topics
+    from dora_rl.infra.kafka.runs import get_run, read_run
+    from dora_rl.schemas.records import Trajectory
+
+    return [Trajectory.decode(m.value(), m.headers())
+            for m in read_run(bootstrap, get_run(bootstrap, run_id), topics.TRAJECTORIES)]
 
 
 def _placement(rdir: Path) -> dict[str, Any]:
