@@ -53,3 +53,17 @@ def test_every_layouts_bound_is_recorded_and_the_bound_is_their_best() -> None:
     assert lb["dora"] == layouts["40r+24t"]
     assert lb["partial"] == bound(64, w, eff, tp=4)["layouts"]["24r+40t"] != layouts["24r+40t"]
     assert lb["best_disaggregated"] >= max(lb["dora"], lb["partial"])
+
+
+@pytest.mark.parametrize("tps", [(8,), (4, 8)])
+def test_colocated_dora_and_the_colocated_partial_get_sweeps_of_the_same_size(tps: tuple[int, ...]) -> None:
+    """bench/colocated_dora.py: both modes on every GPU for both phases, the same S, the same sweep size."""
+    import colocated_dora
+
+    grids = colocated_dora.sweeps(64, tps)
+    assert len(grids["dora_colocated"]) == len(grids["partial_colocated"]) == 24 * len(tps)
+    for label, mode in (("dora_colocated", "dora"), ("partial_colocated", "partial_bounded")):
+        for st in grids[label]:
+            assert st.colocated and st.rollout_gpus == st.train_gpus == 64 and st.mode == mode
+            assert st.staleness == scheduler.S and st.tp in tps
+    assert {st.repartition for st in grids["dora_colocated"]} == {"drain", "consolidate"}
