@@ -16,7 +16,8 @@ import time
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.kafka.consume import RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, now_ms
 from dora_rl.infra.kafka.lag import committed_lag, for_run_state
 from dora_rl.infra.kafka.runs import get_run, offsets_map
 from dora_rl.schemas.records import (

@@ -34,7 +34,8 @@ from dora_rl.config import DoraConfig
 from dora_rl.consumers.dashboard.plot import plot_summary
 from dora_rl.consumers.tensorboard_log import TensorBoardLog
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer, now_ms
+from dora_rl.infra.kafka.consume import RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, now_ms
 from dora_rl.infra.kafka.runs import (
     RetentionGap,
     RunExists,

@@ -40,16 +40,15 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka import topics
+from dora_rl.infra.kafka.consume import is_record, resume_all_partitions
 from dora_rl.infra.kafka.io import (
     RecordProducer,
     consumer_config,
     dead_letter,
-    is_record,
     letter_key,
     now_ms,
     read_range,
     reader_config,
-    resume_all_partitions,
 )
 from dora_rl.infra.kafka.lag import LagProbe
 from dora_rl.infra.kafka.read import consume_ready

@@ -47,7 +47,8 @@ from dora_rl.config import DoraConfig
 from dora_rl.core.emulation import modelled_train_s
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RunConsumer, read_backwards
+from dora_rl.infra.kafka.consume import RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, read_backwards
 from dora_rl.infra.kafka.keys import make_key
 from dora_rl.infra.observability import prom
 from dora_rl.infra.weights.announcements import announcement_problem

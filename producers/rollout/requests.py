@@ -11,7 +11,8 @@ from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from dora_rl.config import DoraConfig
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, consumer_config, is_record
+from dora_rl.infra.kafka.consume import is_record
+from dora_rl.infra.kafka.io import DeadLetters, consumer_config
 from dora_rl.infra.kafka.lag import LagProbe
 from dora_rl.infra.kafka.read import consume_ready
 from dora_rl.infra.observability import prom

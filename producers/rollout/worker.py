@@ -39,7 +39,8 @@ from typing import Any
 from dora_rl.config import DoraConfig
 from dora_rl.infra.crashpoints import crash_point
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, RunConsumer, now_ms
+from dora_rl.infra.kafka.consume import RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, Metrics, RecordProducer, RecordTooLarge, now_ms
 from dora_rl.infra.kafka.keys import make_key, partition_for
 from dora_rl.infra.kafka.security import KafkaSecurityError
 from dora_rl.infra.observability import prom

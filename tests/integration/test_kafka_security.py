@@ -37,7 +37,8 @@ from dora_rl.infra.broker.cluster import LocalCluster
 from dora_rl.infra.broker.server import BrokerError, BrokerSecurity, LocalBroker
 from dora_rl.infra.kafka import security as ks
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
+from dora_rl.infra.kafka.consume import RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer
 from dora_rl.infra.kafka.topic_admin import ensure_topics
 from dora_rl.schemas.records import Trajectory
 

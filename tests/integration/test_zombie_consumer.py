@@ -16,7 +16,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from dora_rl.infra.kafka import topics
-from dora_rl.infra.kafka.io import DeadLetters, RecordProducer, RunConsumer
+from dora_rl.infra.kafka.consume import RunConsumer
+from dora_rl.infra.kafka.io import DeadLetters, RecordProducer
 from dora_rl.schemas.records import Metric
 
 
