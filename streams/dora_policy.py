@@ -83,7 +83,7 @@ from .scheduling_events import (
     VersionSeen,
     decisions,
 )
-from .slot_heaps import SlotHeaps, VersionSlots
+from .slot_heaps import SlotHeaps, VersionSlots, place_resumes
 
 log = logging.getLogger(__name__)
 P = TypeVar("P")
@@ -195,12 +195,7 @@ class DoraScheduler(Generic[P]):
         tids = self.planner.withdraw(group_id)
         if not tids:
             return
-        cancels: dict[int, list[tuple[str, int]]] = {}
-        for tid in tids:
-            t = self.state.remove(tid)
-            self.state.migrating.pop(tid, None)
-            if t is not None and not t.done and t.instance >= 0:
-                cancels.setdefault(t.instance, []).append((tid, t.version))
+        cancels = self.state.forget(tids)
         self._resume.discard(set(tids))
         self.cancels.extend(Cancel(i, tuple(t for t, _ in m), tuple(v for _, v in m))
                             for i, m in sorted(cancels.items()))
@@ -260,16 +255,12 @@ class DoraScheduler(Generic[P]):
         scratch, on an instance of the same version."""
         self.state.hold(instance, LOST)
         self.state.stop_draining(instance)
-        before = self.redispatched
-        for tid, t in self.state.trajs.items():  # replacing a value: the dict's keys do not change
-            cancelled_on = self.state.migrating.get(tid)  # a cancel sent there: its partial will not come
-            if not t.done and (t.instance == instance or cancelled_on == instance):
-                self.state.migrating.pop(tid, None)
-                self.state.place(tid, -1)
-                self._resume.append((Migration(tid, t.version, None), t.version))
-                self.redispatched += 1
+        orphans = self.state.unplace_on(instance)
+        for tid, version in orphans:
+            self._resume.append((Migration(tid, version, None), version))
+        self.redispatched += len(orphans)
         log.warning("rollout-%d lost (left, or silent for over %.0fs): %d in-flight trajectories to generate again",
-                    instance, self.members.timeout_s, self.redispatched - before)
+                    instance, self.members.timeout_s, len(orphans))
 
     # -- rules ------------------------------------------------------------------------------------
 
@@ -315,13 +306,8 @@ class DoraScheduler(Generic[P]):
                                                                                  else 0) > 0
                for v, holders in c.members.items()):
             return True
-        return self.drain and self.on_idle and self._orphaned() and bool(self._prompts) and self.feasible(
+        return self.drain and self.on_idle and self.state.orphaned() and bool(self._prompts) and self.feasible(
             self.state.latest, self.G)
-
-    def _orphaned(self) -> bool:
-        """Some live instance sits idle on an old version that has no work in flight."""
-        c, latest = self.state.counts, self.state.latest
-        return any(n > 0 and 0 <= v < latest and not c.in_flight.get(v, 0) for v, n in c.idle.items())
 
     def _tick(self, now: float) -> None:
         """Lose silent instances (rule 6); re-partition on a timer (every ``repartition_s``), under load
@@ -388,34 +374,8 @@ class DoraScheduler(Generic[P]):
         return self.versions.resume_version(self, trajectory_id)
 
     def _resumes(self) -> list[tuple[Migration, int]]:
-        """Migrations that can be placed now: (migration, target instance holding its resume version).
-
-        ``O(versions + placed)``: a FIFO whose head finds its version full waits whole
-        (:class:`~dora_rl.streams.dora_state.ResumeQueue`)."""
-        out: list[tuple[Migration, int]] = []
-        heaps: dict[int, VersionSlots] = {}  # per version, built when first needed
-        iv = self.state.instance_version
-        for key in self._resume.versions():
-            while (item := self._resume.head(key)) is not None:
-                mig = item[0]
-                t = self.state.trajs.get(mig.trajectory_id)
-                if t is None or t.done:
-                    self._resume.pop(key)
-                    continue
-                version = self.resume_version(mig.trajectory_id)
-                if version not in heaps:
-                    heaps[version] = self._slots(version)
-                top = heaps[version].top()
-                if top is None or top[0] >= self.slots:  # no free slot on an instance of its version
-                    break
-                self._resume.pop(key)
-                target, old = top[1], t.instance
-                self.state.retag(mig.trajectory_id, version, target)
-                heaps[version].changed(target)
-                if 0 <= old < len(iv) and iv[old] in heaps:
-                    heaps[iv[old]].changed(old)
-                out.append((Migration(mig.trajectory_id, version, mig.partial), target))
-        return out
+        """Migrations that can be placed now (:func:`~.slot_heaps.place_resumes`)."""
+        return place_resumes(self._resume, self.state, self.resume_version, self._slots, self.slots)
 
     def _dispatch(self) -> list[Dispatch[P]]:
         """New dispatches allowed now (rules 1–4)."""

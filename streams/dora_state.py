@@ -234,6 +234,34 @@ class DoraState:
         t = self._trajs[tid]
         self._change(tid, TrajState(t.version, t.instance, t.group_id, True))
 
+    def orphaned(self) -> bool:
+        """Some live instance sits idle on an old version that has no work in flight."""
+        c, latest = self.counts, self.latest
+        return any(n > 0 and 0 <= v < latest and not c.in_flight.get(v, 0) for v, n in c.idle.items())
+
+    def unplace_on(self, instance: int) -> list[tuple[str, int]]:
+        """Every unfinished trajectory running on ``instance``, or cancelled there with its partial still to come
+        (it never will: the instance is lost), now placed on none; returns them as ``(tid, version)``, in the
+        state's order."""
+        out: list[tuple[str, int]] = []
+        for tid, t in self._trajs.items():  # replacing a value: the dict's keys do not change
+            if not t.done and (t.instance == instance or self.migrating.get(tid) == instance):
+                self.migrating.pop(tid, None)
+                self.place(tid, -1)
+                out.append((tid, t.version))
+        return out
+
+    def forget(self, tids: Sequence[str]) -> dict[int, list[tuple[str, int]]]:
+        """Stop tracking ``tids`` (a withdrawn group); returns those still decoding, by instance, as
+        ``(tid, version)``: the caller cancels them there."""
+        running: dict[int, list[tuple[str, int]]] = {}
+        for tid in tids:
+            t = self.remove(tid)
+            self.migrating.pop(tid, None)
+            if t is not None and not t.done and t.instance >= 0:
+                running.setdefault(t.instance, []).append((tid, t.version))
+        return running
+
     # -- instances ---------------------------------------------------------------------------------
 
     def hold(self, instance: int, version: int) -> None:

@@ -14,8 +14,12 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from .scheduling_events import Migration
+
 if TYPE_CHECKING:
-    from .dora_state import DoraState
+    from collections.abc import Callable
+
+    from .dora_state import DoraState, ResumeQueue
 
 
 class VersionSlots:
@@ -81,3 +85,37 @@ class SlotHeaps:
     def reset(self) -> None:
         """Forget every heap (the next call builds them again)."""
         self.key = None
+
+
+def place_resumes(queue: ResumeQueue, state: DoraState, resume_version: Callable[[str], int],
+                  slots_of: Callable[[int], VersionSlots], slots: int) -> list[tuple[Migration, int]]:
+    """Take from ``queue`` what can be placed now: ``(migration, target instance)``, the target the instance with
+    the most free slots among those holding the trajectory's ``resume_version`` (its own under DORA: C1), each
+    retagged in ``state``; finished or forgotten trajectories are dropped from the queue.
+
+    ``O(versions + placed)``: a FIFO whose head finds its version full (no instance under ``slots``) waits whole
+    (:class:`~dora_rl.streams.dora_state.ResumeQueue`)."""
+    out: list[tuple[Migration, int]] = []
+    heaps: dict[int, VersionSlots] = {}  # per version, built when first needed
+    iv = state.instance_version
+    for key in queue.versions():
+        while (item := queue.head(key)) is not None:
+            mig = item[0]
+            t = state.trajs.get(mig.trajectory_id)
+            if t is None or t.done:
+                queue.pop(key)
+                continue
+            version = resume_version(mig.trajectory_id)
+            if version not in heaps:
+                heaps[version] = slots_of(version)
+            top = heaps[version].top()
+            if top is None or top[0] >= slots:  # no free slot on an instance of its version
+                break
+            queue.pop(key)
+            target, old = top[1], t.instance
+            state.retag(mig.trajectory_id, version, target)
+            heaps[version].changed(target)
+            if 0 <= old < len(iv) and iv[old] in heaps:
+                heaps[iv[old]].changed(old)
+            out.append((Migration(mig.trajectory_id, version, mig.partial), target))
+    return out
