@@ -1,5 +1,6 @@
-"""Where the scheduler places work: a heap of one version's instances by load (:class:`VersionSlots`), and
-those heaps kept across calls (:class:`SlotHeaps`) so a punctuate does not rebuild them.
+"""Where the scheduler places work: a heap of one version's instances by load (:class:`VersionSlots`),
+those heaps kept across calls (:class:`SlotHeaps`) so a punctuate does not rebuild them, and the placing of
+trajectories waiting to resume (:func:`place_resumes`).
 
 Invariant (what makes a kept heap exact): every instance in a heap has an entry with its current load —
 each load change since the heap was built is pushed into it (the counts' ``touched``), stale entries are
