@@ -73,15 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_many([(st, w, eff, s) for st in chosen.values() for s in REPORT], workers=args.workers)
     for k, (label, st) in enumerate(chosen.items()):
         out["modes"][label] = summary(runs[k * len(REPORT):(k + 1) * len(REPORT)], st)
-    thr = {k: v["throughput"] for k, v in out["modes"].items()}
+    dora, partial = out["modes"]["dora_colocated"], out["modes"]["partial_colocated"]
     out["bound"] = max((bound(gpus, w, eff, tp=tp, hop_latency_s=hop_s(tp)) for tp in tps),
                        key=lambda b: b["tokens_per_s"])
     b = out["bound"]["tokens_per_s"]
-    out["ratios"] = {"dora_vs_partial": statistics.fmean(thr["dora_colocated"]) / statistics.fmean(
-                         thr["partial_colocated"]),
-                     "dora_vs_partial_interval": paired_ratio_interval(thr["dora_colocated"], thr["partial_colocated"]),
-                     "dora_fraction_of_bound": statistics.fmean(thr["dora_colocated"]) / b,
-                     "partial_fraction_of_bound": statistics.fmean(thr["partial_colocated"]) / b}
+    out["ratios"] = {"dora_vs_partial": dora["throughput_mean"] / partial["throughput_mean"],
+                     "dora_vs_partial_interval": paired_ratio_interval(dora["throughput"], partial["throughput"]),
+                     "dora_fraction_of_bound": dora["throughput_mean"] / b,
+                     "partial_fraction_of_bound": partial["throughput_mean"] / b}
     out["sim_seconds"] = round(time.time() - t0, 1)
     path = write_result("colocated-dora", out)
     plot(out, path.with_suffix(".png"))

@@ -72,16 +72,21 @@ def emulated_run(**overrides: Any) -> dict[str, Any]:
             "emulated": engine}
 
 
-def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
+def trajectories(bootstrap: str, run_id: str) -> list[Any]:
+    """The run's trajectories on ``dora.rollout.trajectories``, in log order."""
     from dora_rl.infra.kafka import topics
     from dora_rl.infra.kafka.runs import get_run, read_run
     from dora_rl.schemas.records import Trajectory
 
+    decoded = (Trajectory.decode(msg.value(), msg.headers())
+               for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.TRAJECTORIES))
+    return [t for t in decoded if t.run_id == run_id]
+
+
+def trajectories_by_instance(bootstrap: str, run_id: str) -> dict[str, int]:
     out: dict[str, int] = {}
-    for msg in read_run(bootstrap, get_run(bootstrap, run_id), topics.TRAJECTORIES):
-        t = Trajectory.decode(msg.value(), msg.headers())
-        if t.run_id == run_id:
-            out[t.instance_id] = out.get(t.instance_id, 0) + 1
+    for t in trajectories(bootstrap, run_id):
+        out[t.instance_id] = out.get(t.instance_id, 0) + 1
     return out
 
 

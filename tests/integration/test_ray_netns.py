@@ -42,6 +42,7 @@ from run_helpers import (
     emulated_run,
     metric_total,
     steps_done,
+    trajectories,
     trajectories_by_instance,
     wait_for,
 )
@@ -162,7 +163,7 @@ def test_a_ray_placed_run_survives_lost_hosts_and_a_partition(lab: Any, dora_hom
                   for line in (tmp_path / name).read_text().splitlines() if "control actor was seeded" in line]
         assert len(seeded) == 1 and seeded[0].startswith("driver.log"), (  # the first driver seeds it, once
             f"the control actor restarted (lost its count) or was never seeded: {seeded}")
-        redone = [t for t in _trajectories(bootstrap, run_id) if t.trajectory_id == lost_tid]
+        redone = [t for t in trajectories(bootstrap, run_id) if t.trajectory_id == lost_tid]
         assert redone, f"{lost_tid}, decoding on rollout-{lost_index} when w3 vanished, was never generated again"
         print(f"{lost_tid} lost with w3, generated again by {redone[0].instance_id}; re-dispatched by the "
               f"orchestrator: {metric_total(bootstrap, run_id, 'orchestrator', 'redispatched'):.0f}")
@@ -195,15 +196,6 @@ def _resume_driver(lab: Any, driver: Any, address: str, bootstrap: str, run_id: 
     after = {name: _placement(rdir)[name]["pid"] for name in before}
     assert after == before, f"the resumed driver started roles again instead of adopting them: {before} -> {after}"
     return resumed
-
-
-def _trajectories(bootstrap: str, run_id: str) -> list[Any]:
-    from dora_rl.infra.kafka import topics
-    from dora_rl.infra.kafka.runs import get_run, read_run
-    from dora_rl.schemas.records import Trajectory
-
-    return [Trajectory.decode(m.value(), m.headers())
-            for m in read_run(bootstrap, get_run(bootstrap, run_id), topics.TRAJECTORIES)]
 
 
 def _placement(rdir: Path) -> dict[str, Any]:
